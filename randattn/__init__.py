@@ -1,0 +1,48 @@
+"""randattn: per-KV-head KV-cache eviction for HF causal LMs, and the tools to test Random Attention.
+
+Core objects:
+    EvictingCache   the (K, r) per-head evicting cache; drop it into ``model.generate``.
+    load_model      the embedded SmolLM2-135M-Instruct by default, or any HF causal LM.
+    replay          teacher-forced replay with eviction rounds where decoding has them.
+    policies        score functions; ``register_policy`` adds your own.
+"""
+
+from .cache import EvictingCache, EvictingLayer, round_seed
+from .decoding import ReplayResult, decode_step, generate, replay, replay_tokenwise
+from .keeplog import KeepLog
+from .models import (
+    DEFAULT_MODEL,
+    UnsupportedModelError,
+    cache_argument_name,
+    check_model,
+    install_guards,
+    load_model,
+    resolve_device,
+)
+from .policies import CacheView, Policy, known_policies, make_policy, register_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EvictingCache",
+    "EvictingLayer",
+    "KeepLog",
+    "CacheView",
+    "Policy",
+    "register_policy",
+    "make_policy",
+    "known_policies",
+    "load_model",
+    "DEFAULT_MODEL",
+    "resolve_device",
+    "check_model",
+    "install_guards",
+    "cache_argument_name",
+    "UnsupportedModelError",
+    "generate",
+    "decode_step",
+    "replay",
+    "replay_tokenwise",
+    "ReplayResult",
+    "round_seed",
+]

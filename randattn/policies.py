@@ -1,0 +1,198 @@
+"""Eviction policies as score functions.
+
+A policy only answers "how much is each cached pair worth to this KV head?". Everything else
+(prompt protection, keep-mask pins and forced evictions, per-head top-K, chronological
+compaction, seeding) is done by the cache, so a new policy is a few lines::
+
+    from randattn import register_policy, Policy
+
+    @register_policy("oldest-first")
+    class OldestFirst(Policy):
+        '''Keep the oldest pairs (a deliberately bad baseline).'''
+        def score(self, view):
+            return -view.positions.float()
+
+Scores have shape ``[B, H_kv, S]`` (or anything that broadcasts to it, e.g. ``[B, 1, S]`` for a
+draw shared by every head) and higher means "keep". The top ``K`` of every head survive.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "CacheView",
+    "Policy",
+    "register_policy",
+    "make_policy",
+    "known_policies",
+    "RandomPolicy",
+    "RandomSharedPolicy",
+    "RecencyPolicy",
+    "StreamingLLMPolicy",
+]
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """Read-only view of one layer's cache at an eviction round.
+
+    keys, values: ``[B, H_kv, S, D]``; keys are post-RoPE, as the attention saw them.
+    positions: ``[B, H_kv, S]`` absolute token position of every slot, increasing along S.
+    prompt_len: number of prompt positions (``0..prompt_len-1``); the core pins them when the
+        cache protects the prompt, so a policy never has to.
+    seq_len: absolute length of the sequence so far (one past the newest position).
+    generator: seeded for this (seed, layer, round); draw on ``keys.device`` in float32.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    layer_idx: int
+    round_idx: int
+    prompt_len: int
+    seq_len: int
+    budget: int
+    buffer: int
+    generator: torch.Generator
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(B, H_kv, S)``: the shape a score tensor must broadcast to."""
+        return tuple(self.positions.shape)  # type: ignore[return-value]
+
+
+class Policy:
+    """Base class: subclasses implement :meth:`score`.
+
+    ``name`` is filled in by :func:`register_policy`. Policies are stateless by default; one
+    that needs per-layer state keeps it keyed by ``view.layer_idx``.
+    """
+
+    name: str = "custom"
+
+    def score(self, view: CacheView) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        return f"{type(self).__name__}({args})"
+
+
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    """Class decorator that makes a policy available by name (``EvictingCache("name", ...)``)."""
+
+    def deco(cls: type[Policy]) -> type[Policy]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"policy name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def known_policies() -> list[str]:
+    """Names accepted by :func:`make_policy`, sorted."""
+    return sorted(_REGISTRY)
+
+
+class _FunctionPolicy(Policy):
+    """Wraps a plain ``score(view) -> Tensor`` callable."""
+
+    def __init__(self, fn: Callable[[CacheView], torch.Tensor]):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", "function")
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        return self.fn(view)
+
+
+def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kwargs) -> Policy:
+    """Turn a policy name, instance or score function into a :class:`Policy`.
+
+    Keyword arguments go to the named policy's constructor (e.g. ``n_sink=4`` for
+    ``"streamingllm"``); unknown names and unknown keywords raise a ``ValueError`` that lists
+    what is accepted.
+    """
+    if isinstance(spec, Policy):
+        if kwargs:
+            raise ValueError(f"policy options {sorted(kwargs)} given with a Policy instance; set them on the instance")
+        return spec
+    if isinstance(spec, str):
+        if spec not in _REGISTRY:
+            raise ValueError(f"unknown policy {spec!r}; known policies: {', '.join(known_policies())}")
+        cls = _REGISTRY[spec]
+        accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+        bad = sorted(set(kwargs) - set(accepted))
+        if bad:
+            raise ValueError(
+                f"policy {spec!r} does not take option(s) {bad}; it accepts {accepted if accepted else 'no options'}"
+            )
+        return cls(**kwargs)
+    if callable(spec):
+        if kwargs:
+            raise ValueError(f"policy options {sorted(kwargs)} given with a score function; bind them yourself")
+        return _FunctionPolicy(spec)
+    raise TypeError(
+        f"policy must be a name ({', '.join(known_policies())}), a Policy instance or a callable "
+        f"score(view) -> Tensor, not {type(spec).__name__}"
+    )
+
+
+@register_policy("random")
+class RandomPolicy(Policy):
+    """Random Attention (the paper's Algorithm 1): ``s_i ~ Uniform(0, 1)`` i.i.d. per head.
+
+    With prompt protection on (the cache's default) the prompt is pinned at ``+inf`` by the core,
+    so this is exactly ``s = rand(B, H_kv, S); s[:, :, :l_p] = inf; keep = topk(s, K)``. A pair
+    then survives one round with probability ``K / (K + r)``.
+    """
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        return torch.rand(view.shape, generator=view.generator, device=view.keys.device, dtype=torch.float32)
+
+
+@register_policy("random-shared")
+class RandomSharedPolicy(Policy):
+    """One uniform draw per absolute position, shared by every KV head of a layer.
+
+    The draw is keyed by position rather than slot, so heads that already differ (e.g. after a
+    keep-mask pin) still rank a given token identically. Batch rows draw independently.
+    """
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        b, h, _ = view.shape
+        u = torch.rand((b, view.seq_len), generator=view.generator, device=view.keys.device, dtype=torch.float32)
+        return torch.gather(u[:, None, :].expand(b, h, view.seq_len), 2, view.positions)
+
+
+@register_policy("recency")
+class RecencyPolicy(Policy):
+    """Most recent pairs first. With prompt protection this is Prefix Sliding (prompt + recent window);
+    without it, a plain sliding window."""
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        return view.positions.to(torch.float32)
+
+
+@register_policy("streamingllm")
+class StreamingLLMPolicy(Policy):
+    """StreamingLLM: the first ``n_sink`` positions (attention sinks) plus the most recent window."""
+
+    def __init__(self, n_sink: int = 4):
+        if not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"streamingllm n_sink must be a non-negative int, got {n_sink!r}")
+        self.n_sink = n_sink
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        s = view.positions.to(torch.float32)
+        return torch.where(view.positions < self.n_sink, torch.full_like(s, float("inf")), s)
