@@ -56,3 +56,20 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, attn_implementation: str =
     model.eval()
     install_guards(model)
     return model
+
+
+def tiny_tokenizer(directory, vocab_size: int = 256):
+    """A whitespace word-level tokenizer over ``w0 w1 ...`` saved to ``directory`` and loaded back
+    from there (TransformerLens re-reads tokenizers by path, so an in-memory one is not enough)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials)}
+    for i in range(vocab_size - len(specials)):
+        vocab[f"w{i}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>")
+    tok.save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)

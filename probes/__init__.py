@@ -1,0 +1,1 @@
+"""Experiments on the randattn core, each runnable as ``python -m probes.<name>``."""

@@ -1,0 +1,132 @@
+"""Bad input gets a clear error naming the parameter and the fix."""
+
+import types
+
+import pytest
+import torch
+import transformers
+
+import randattn
+from randattn.models import UnsupportedModelError, check_model
+from randattn.testing import tiny_model
+
+from conftest import random_ids
+from test_invariants import _feed
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True, "8"])
+def test_bad_budget(budget):
+    with pytest.raises(ValueError, match="budget must be a positive integer"):
+        randattn.EvictingCache("random", budget=budget)
+
+
+@pytest.mark.parametrize("buffer", [0, -1, None])
+def test_bad_buffer(buffer):
+    with pytest.raises(ValueError, match="buffer must be a positive integer"):
+        randattn.EvictingCache("random", budget=8, buffer=buffer)
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        randattn.EvictingCache("h2oo", budget=8)
+    for name in ["random", "random-shared", "recency", "streamingllm"]:
+        assert name in str(err.value)
+
+
+def test_unknown_policy_option():
+    with pytest.raises(ValueError, match="does not take option.*'sinks'.*n_sink"):
+        randattn.EvictingCache("streamingllm", budget=8, sinks=2)
+
+
+def test_prompt_too_long_for_budget_names_both_numbers(tiny):
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="budget K=16 cannot hold the protected prompt of 20 tokens"):
+        randattn.generate(model, random_ids(1, 20), randattn.EvictingCache("random", budget=16), max_new_tokens=2)
+    with pytest.raises(ValueError, match="budget K=16 cannot hold the protected prompt of 16 tokens"):
+        randattn.EvictingCache("random", budget=16, prompt_len=16)
+    # raw HF generate hits the same check at prefill
+    with pytest.raises(ValueError, match="use budget >= 21 or protect_prompt=False"):
+        model.generate(random_ids(1, 20), past_key_values=randattn.EvictingCache("random", budget=16), max_new_tokens=2)
+
+
+def test_left_padded_batch_is_refused_in_hf_generate(tiny):
+    model = tiny("llama")
+    ids = random_ids(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="does not support padded batches"):
+        model.generate(ids, attention_mask=mask, past_key_values=randattn.EvictingCache("random", budget=32), max_new_tokens=3)
+    with pytest.raises(ValueError, match="attention_mask has padding"):
+        randattn.generate(model, ids, randattn.EvictingCache("random", budget=32), attention_mask=mask, max_new_tokens=3)
+
+
+def test_assisted_decoding_is_refused(tiny):
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="assisted"):
+        randattn.generate(model, random_ids(1, 8), randattn.EvictingCache("random", budget=32), assistant_model=model)
+    cache = randattn.EvictingCache("random", budget=4, buffer=2, protect_prompt=False)
+    _feed(cache, 0, 10, 1, 2)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(-2)
+
+
+def test_reusing_a_cache_is_refused(tiny):
+    model = tiny("llama")
+    cache = randattn.EvictingCache("random", budget=32)
+    randattn.generate(model, random_ids(1, 8), cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="already been used"):
+        randattn.replay(model, random_ids(1, 8), cache, prompt_len=4)
+
+
+def test_sliding_window_model_is_refused_past_its_window():
+    model = tiny_model("mistral", sliding_window=24)
+    cache = randattn.EvictingCache("random", budget=12, buffer=4)
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention \\(window 24\\)"):
+        randattn.generate(model, random_ids(1, 8), cache, max_new_tokens=40, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        (transformers.T5Config(d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=32, vocab_size=32), "encoder-decoder"),
+        (transformers.DeepseekV3Config(), "latent KV"),
+        (transformers.Qwen3NextConfig(), "recurrent or shared state"),
+    ],
+)
+def test_architectures_the_cache_cannot_serve(config, reason):
+    fake = types.SimpleNamespace(config=config)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        check_model(fake)
+
+
+def test_policy_returning_wrong_shape_or_nan_is_named():
+    bad_shape = randattn.EvictingCache(lambda view: torch.zeros(3), budget=4, buffer=2, protect_prompt=False)
+    with pytest.raises(ValueError, match="<lambda>.*returned scores shaped \\(3,\\); expected"):
+        _feed(bad_shape, 0, 10, 1, 2)
+
+    def nan_scores(view):
+        return torch.full(view.shape, float("nan"))
+
+    nan = randattn.EvictingCache(nan_scores, budget=4, buffer=2, protect_prompt=False)
+    with pytest.raises(ValueError, match="'nan_scores' returned NaN scores at layer 0, round 0"):
+        _feed(nan, 0, 10, 1, 2)
+
+
+def test_bad_device_and_dtype_names():
+    with pytest.raises(ValueError, match="device 'gpu0' is not a torch device"):
+        randattn.resolve_device("gpu0")
+    with pytest.raises(ValueError, match="dtype 'half-ish' not understood"):
+        randattn.models._resolve_dtype("half-ish", torch.device("cpu"))
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids, cache=None, past_key_values=None):
+            return input_ids
+
+    assert randattn.cache_argument_name(OldStyle()) == "past_key_values"
+    assert randattn.cache_argument_name(NewStyle()) == "cache"

@@ -1,0 +1,141 @@
+"""Cache invariants under randomised shapes, budgets, seeds and chunkings, driven without a model."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import randattn
+
+
+def _feed(cache, layer, n, b, h, d=3):
+    """Append n tokens whose keys/values encode their absolute position (to check gathers)."""
+    start = cache.get_seq_length(layer) if layer < len(cache.layers) else 0
+    pos = torch.arange(start, start + n, dtype=torch.float32)
+    k = pos.view(1, 1, n, 1).expand(b, h, n, d).clone()
+    v = -k
+    return cache.update(k, v, layer)
+
+
+@pytest.mark.parametrize("trial", range(25))
+def test_invariants_hold_for_random_configurations(trial):
+    rng = random.Random(trial)
+    b, h, layers = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 3)
+    budget, buffer = rng.randint(2, 40), rng.randint(1, 12)
+    protect = rng.random() < 0.6
+    prompt = rng.randint(1, budget - 1) if protect else rng.randint(1, 3 * budget)
+    policy = rng.choice(["random", "random-shared", "recency", "streamingllm"])
+    cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, protect_prompt=protect, seed=trial)
+    chunks = [prompt] + [rng.choice([1, 1, 1, rng.randint(1, buffer)]) for _ in range(rng.randint(20, 80))]
+    previous = [None] * layers
+    for n in chunks:
+        before = [cache.events[l] if l < len(cache.layers) else 0 for l in range(layers)]
+        for l in range(layers):
+            full_k, _ = _feed(cache, l, n, b, h)
+            assert full_k.shape[-2] <= max(budget + buffer, prompt) + (n - 1 if n > 1 else 0)
+            layer = cache.layers[l]
+            pos, keys, vals = layer.positions, layer.keys, layer.values
+            ran_round = cache.events[l] > before[l]
+            # physical bound and exactly K after a round
+            assert pos.shape[-1] <= budget + buffer - 1
+            if ran_round:
+                assert pos.shape[-1] == budget
+            # chronological, no duplicates
+            assert bool((pos[..., 1:] > pos[..., :-1]).all())
+            # keys and values moved with their positions
+            assert torch.equal(keys[..., 0], pos.float()) and torch.equal(vals[..., 0], -pos.float())
+            # monotonic: nothing evicted ever comes back
+            if previous[l] is not None:
+                old_max = previous[l].max().item() if previous[l].numel() else -1
+                for bi in range(b):
+                    for hi in range(h):
+                        old = set(previous[l][bi, hi].tolist())
+                        now = set(pos[bi, hi].tolist())
+                        assert {p for p in now if p <= old_max} <= old
+            previous[l] = pos.clone()
+            # protected prompt never evicted
+            if protect:
+                assert bool((pos[..., :prompt] == torch.arange(prompt)).all())
+    assert cache.get_seq_length() == sum(chunks)
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_random_survival_matches_analytic_curve(protect):
+    """Per-head survival of a pair after n rounds is (K/(K+r))^n, or ((K-lp)/(K+r-lp))^n with the
+    prompt pinned. Tolerance: 4 binomial standard errors + 0.01 at every n."""
+    b, h, budget, buffer, prompt = 4, 8, 48, 16, 8
+    cache = randattn.EvictingCache("random", budget=budget, buffer=buffer, protect_prompt=protect, seed=123)
+    _feed(cache, 0, prompt, b, h)
+    n_rounds = 14
+    while cache.events[0] < n_rounds:
+        _feed(cache, 0, 1, b, h)
+    pos = cache.layers[0].positions
+    free = budget - prompt if protect else budget
+    p = free / (free + buffer)
+    # Positions written between round j-1 and round j have been through n_rounds - j + 1 rounds.
+    round_ends = [budget + buffer + j * buffer for j in range(n_rounds)]  # seq_len at each round
+    checked = 0
+    for j in range(3, n_rounds):  # the first rounds mix in prompt/early-prefill cohorts
+        lo, hi = round_ends[j - 1], round_ends[j]
+        cohort = torch.arange(lo, hi)
+        survived = torch.isin(pos, cohort).sum().item()
+        total = b * h * len(cohort)
+        n = n_rounds - j
+        expected = p**n
+        se = math.sqrt(expected * (1 - expected) / total)
+        assert abs(survived / total - expected) <= 4 * se + 0.01, (n, survived / total, expected)
+        checked += 1
+    assert checked >= 10
+
+
+def test_recency_is_not_random_the_survival_test_can_fail():
+    b, h, budget, buffer = 2, 4, 48, 16
+    cache = randattn.EvictingCache("recency", budget=budget, buffer=buffer, protect_prompt=False)
+    _feed(cache, 0, 8, b, h)
+    while cache.events[0] < 6:
+        _feed(cache, 0, 1, b, h)
+    pos = cache.layers[0].positions
+    # A recency window keeps exactly the last K positions: survival is 1 then 0, not geometric.
+    newest = cache.get_seq_length()
+    assert torch.equal(pos[0, 0], torch.arange(newest - budget, newest))
+
+
+def _keep_sets(seed, policy="random"):
+    cache = randattn.EvictingCache(policy, budget=16, buffer=4, seed=seed, keep_log=True)
+    for l in range(2):
+        _feed(cache, l, 5, 2, 3)
+    for _ in range(40):
+        for l in range(2):
+            _feed(cache, l, 1, 2, 3)
+    return cache
+
+
+def test_determinism_same_seed_same_keep_sets_and_draws_differ_across_layers_rounds_seeds():
+    a, b, c = _keep_sets(0), _keep_sets(0), _keep_sets(1)
+    assert len(a.keep_log) == len(b.keep_log) > 10
+    assert all((x == y).all() for x, y in zip(a.keep_log.kept, b.keep_log.kept))
+    assert any((x != y).any() for x, y in zip(a.keep_log.kept, c.keep_log.kept))
+    l0, l1 = a.keep_log.for_layer(0), a.keep_log.for_layer(1)
+    assert any((x[2] != y[2]).any() for x, y in zip(l0, l1)), "layers must draw differently"
+    seeds = {randattn.round_seed(0, l, r) for l in range(4) for r in range(50)}
+    assert len(seeds) == 200
+    # the same round index in different layers, and consecutive rounds, use different draws
+    assert (a.layers[0].positions != a.layers[1].positions).any()
+
+
+def test_random_shared_keeps_the_same_set_in_every_head():
+    cache = _keep_sets(0, "random-shared")
+    pos = cache.layers[0].positions
+    assert all(torch.equal(pos[:, 0], pos[:, hh]) for hh in range(pos.shape[1]))
+    per_head = _keep_sets(0, "random").layers[0].positions
+    assert not all(torch.equal(per_head[:, 0], per_head[:, hh]) for hh in range(per_head.shape[1]))
+
+
+def test_keep_log_round_trips_through_npz(tmp_path):
+    cache = _keep_sets(3)
+    path = tmp_path / "keep.npz"
+    cache.keep_log.save(path)
+    back = randattn.KeepLog.load(path)
+    assert back.layers == cache.keep_log.layers and back.seq_lens == cache.keep_log.seq_lens
+    assert all((x == y).all() for x, y in zip(back.kept, cache.keep_log.kept))
