@@ -98,3 +98,19 @@ def test_manual_decode_loop_keeps_true_positions(tiny):
     assert cache.get_seq_length() == 60
     assert cache.physical_length(0) < 20
     assert int(cache.positions(0).max()) == 59  # the newest token sits at its absolute position
+
+
+def test_eager_attention_uses_the_cache_mask_sizes(tiny):
+    """Eager attention materialises every mask from get_mask_sizes, so a wrong kv_offset or
+    physical length would show here even for single-token steps."""
+    from randattn.testing import tiny_model
+
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = random_ids(2, 120, seed=11)
+    c1 = randattn.EvictingCache("random", budget=20, buffer=6, keep_log=True, seed=2)
+    c2 = randattn.EvictingCache("random", budget=20, buffer=6, keep_log=True, seed=2)
+    slow = randattn.replay_tokenwise(model, ids, c1, prompt_len=9)
+    fast = randattn.replay(model, ids, c2, prompt_len=9)
+    ref = masked_forward_logits(model, ids, c1.keep_log)
+    torch.testing.assert_close(slow.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
