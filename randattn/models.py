@@ -146,6 +146,7 @@ def load_model(
     dtype: "str | torch.dtype | None" = None,
     trust_remote_code: bool = False,
     attn_implementation: Optional[str] = "sdpa",
+    tokenizer=None,
 ):
     """Load a causal LM and its tokenizer, ready for :class:`randattn.EvictingCache`.
 
@@ -154,6 +155,9 @@ def load_model(
     ``~/.cache/randattn``), else any HF hub id or local directory of a causal LM (Llama, Mistral,
     Qwen2, Qwen3, Phi-3, ...). ``device``: ``"auto"`` (default) picks CUDA when present. ``dtype``:
     default fp32 on CPU, bf16 on a GPU that supports it.
+
+    ``tokenizer``: a tokenizer object or a directory/hub id to load it from, when it does not live
+    beside the model.
 
     Returns ``(model, tokenizer)``, the model in eval mode with the randattn input guards installed.
     """
@@ -164,6 +168,11 @@ def load_model(
     name = name_or_path or DEFAULT_MODEL
     key = _EMBEDDED_ALIASES.get(str(name).lower(), str(name).lower())
     source = _converted_embedded(key) if key in _EMBEDDED else name
+    if key not in _EMBEDDED and _looks_like_path(str(name)) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(
+            f"model directory {name!r} does not exist; give a directory with config.json and weights, a hub id, "
+            f"or omit it for the embedded default ({DEFAULT_MODEL!r})"
+        )
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -171,14 +180,20 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
         raise OSError(
-            f"could not load model {name!r}: {exc}\nGive a local directory with config.json and weights, a hub id "
+            f"could not load model {name!r}: {exc} -- give a local directory with config.json and weights, a hub id "
             f"reachable from this machine, or omit it for the embedded default ({DEFAULT_MODEL!r})."
         ) from exc
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or source, trust_remote_code=trust_remote_code)
     model.to(dev).eval()
     check_model(model)
     install_guards(model)
     return model, tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    # Hub ids are "org/name"; anything absolute, relative-looking or deeper is a filesystem path.
+    return os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") >= 2
 
 
 def _sliding_window(config) -> Optional[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TINY_ARCHS", "tiny_config", "tiny_model"]
+__all__ = ["TINY_ARCHS", "tiny_config", "tiny_model", "tiny_tokenizer"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -60,7 +60,8 @@ def tiny_model(arch: str = "llama", *, seed: int = 0, attn_implementation: str =
 
 def tiny_tokenizer(directory, vocab_size: int = 256):
     """A whitespace word-level tokenizer over ``w0 w1 ...`` saved to ``directory`` and loaded back
-    from there (TransformerLens re-reads tokenizers by path, so an in-memory one is not enough)."""
+    from there (TransformerLens re-reads tokenizers by path, so an in-memory one is not enough).
+    Keep it in its own directory: beside a model config, AutoTokenizer picks that family's class."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
