@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -66,16 +66,51 @@ class EvictingLayer(CacheLayerMixin):
         self.parent = parent
         self.layer_idx = layer_idx
         self.positions: Optional[torch.Tensor] = None
+        self._k = self._v = self._p = None  # buffers behind the keys/values/positions views
         self.seq_len = 0  # absolute length L seen by this layer
         self.events = 0  # applied eviction rounds
+
+    # -- storage ------------------------------------------------------------------------------
+    # keys/values/positions are views of the first P slots of buffers with room for K + r, so a
+    # decode step writes only its new pair instead of copying the whole cache (as torch.cat would).
+    # A round gathers into fresh buffers: the views already handed to attention stay intact.
+    def _store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        b, h, n, _ = keys.shape
+        room = max(n, self.parent.budget + self.parent.buffer)
+        self._k = keys.new_empty((b, h, room, keys.shape[-1]))
+        self._v = values.new_empty((b, h, room, values.shape[-1]))
+        self._p = positions.new_empty((b, h, room))
+        self._k[:, :, :n] = keys
+        self._v[:, :, :n] = values
+        self._p[:, :, :n] = positions
+        self._views(n)
+
+    def _views(self, n: int) -> None:
+        self.keys, self.values, self.positions = self._k[:, :, :n], self._v[:, :, :n], self._p[:, :, :n]
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        start, q = self.keys.shape[-2], keys.shape[-2]
+        if start + q > self._k.shape[-2]:  # a long prefill or chunk: grow once
+            self._store(
+                torch.cat([self.keys, keys], dim=-2),
+                torch.cat([self.values, values], dim=-2),
+                torch.cat([self.positions, positions], dim=-1),
+            )
+            return
+        self._k[:, :, start : start + q] = keys
+        self._v[:, :, start : start + q] = values
+        self._p[:, :, start : start + q] = positions
+        self._views(start + q)
 
     # -- HF layer API -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_empty((b, h, 0, d))
-        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
-        self.positions = torch.empty((b, h, 0), dtype=torch.long, device=key_states.device)
+        self._store(
+            key_states.new_empty((b, h, 0, d)),
+            value_states.new_empty((b, h, 0, value_states.shape[-1])),
+            torch.empty((b, h, 0), dtype=torch.long, device=key_states.device),
+        )
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -93,15 +128,12 @@ class EvictingLayer(CacheLayerMixin):
                 f"but got batch={b}, kv_heads={h}; use a fresh EvictingCache per batch"
             )
         new_pos = torch.arange(self.seq_len, self.seq_len + q, device=self.positions.device)
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        positions = torch.cat([self.positions, new_pos.expand(b, h, q)], dim=-1)
+        self._append(key_states, value_states, new_pos.expand(b, h, q))
         self.seq_len += q
+        keys, values = self.keys, self.values
         p = self.parent
         if keys.shape[-2] >= p.budget + p.buffer:
-            self.keys, self.values, self.positions = p._evict(self, keys, values, positions)
-        else:
-            self.keys, self.values, self.positions = keys, values, positions
+            self._store(*p._evict(self, keys, values, self.positions))
         # This step attends to everything, as get_mask_sizes promised; the round only shrinks what is stored.
         return keys, values
 
@@ -121,6 +153,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = None
+        self._k = self._v = self._p = None
         self.is_initialized = False
         self.seq_len = 0
         self.events = 0
@@ -129,21 +162,19 @@ class EvictingLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             idx = beam_idx.to(self.keys.device)
-            self.keys = self.keys.index_select(0, idx)
-            self.values = self.values.index_select(0, idx)
-            self.positions = self.positions.index_select(0, idx)
+            self._store(self.keys.index_select(0, idx), self.values.index_select(0, idx), self.positions.index_select(0, idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, dim=0)
-            self.values = self.values.repeat_interleave(repeats, dim=0)
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+            self._store(
+                self.keys.repeat_interleave(repeats, dim=0),
+                self.values.repeat_interleave(repeats, dim=0),
+                self.positions.repeat_interleave(repeats, dim=0),
+            )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.keys = self.keys[indices, ...]
-            self.values = self.values[indices, ...]
-            self.positions = self.positions[indices, ...]
+            self._store(self.keys[indices, ...], self.values[indices, ...], self.positions[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -242,8 +273,8 @@ class EvictingCache(Cache):
         return self.layers[layer_idx].positions
 
     def kv_bytes(self) -> int:
-        """Bytes held by keys and values of all layers (positions excluded)."""
-        return sum(l.keys.nbytes + l.values.nbytes for l in self.layers if l.is_initialized)
+        """Bytes allocated for keys and values of all layers (room for K + r pairs per head; positions excluded)."""
+        return sum(l._k.nbytes + l._v.nbytes for l in self.layers if l.is_initialized)
 
     def stats(self) -> dict:
         return {
