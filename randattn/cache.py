@@ -66,51 +66,76 @@ class EvictingLayer(CacheLayerMixin):
         self.parent = parent
         self.layer_idx = layer_idx
         self.positions: Optional[torch.Tensor] = None
-        self._k = self._v = self._p = None  # buffers behind the keys/values/positions views
+        self.attention: Optional[torch.Tensor] = None  # accumulated attention received, [B, H_q, P]
+        self._buf: dict[str, torch.Tensor] = {}  # buffers behind the keys/values/positions/attention views
         self.seq_len = 0  # absolute length L seen by this layer
         self.events = 0  # applied eviction rounds
+        # Recent post-RoPE queries for attention-based policies (filled by randattn.capture).
+        self.recent_queries: Optional[torch.Tensor] = None  # [B, H_q, <=w, D]
+        self.recent_query_positions: Optional[torch.Tensor] = None  # [<=w]
+        self._step_queries: Optional[torch.Tensor] = None  # this forward's queries, for accumulation
+        self.scaling: Optional[float] = None
 
     # -- storage ------------------------------------------------------------------------------
-    # keys/values/positions are views of the first P slots of buffers with room for K + r, so a
-    # decode step writes only its new pair instead of copying the whole cache (as torch.cat would).
-    # A round gathers into fresh buffers: the views already handed to attention stay intact.
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        b, h, n, _ = keys.shape
+    # Every per-slot tensor (keys, values, positions, and accumulated attention when a policy asks
+    # for it) is a view of the first P slots of a buffer with room for K + r, so a decode step writes
+    # only its new pair instead of copying the whole cache (as torch.cat would). A round gathers into
+    # fresh buffers, so the views already handed to attention stay intact.
+    _SLOT_FIELDS = ("keys", "values", "positions", "attention")
+
+    def _store(self, **fields: torch.Tensor) -> None:
+        n = fields["keys"].shape[2]
         room = max(n, self.parent.budget + self.parent.buffer)
-        self._k = keys.new_empty((b, h, room, keys.shape[-1]))
-        self._v = values.new_empty((b, h, room, values.shape[-1]))
-        self._p = positions.new_empty((b, h, room))
-        self._k[:, :, :n] = keys
-        self._v[:, :, :n] = values
-        self._p[:, :, :n] = positions
+        self._buf = {}
+        for name, t in fields.items():
+            if t is None:
+                continue
+            buf = t.new_empty((*t.shape[:2], room, *t.shape[3:]))
+            buf[:, :, :n] = t
+            self._buf[name] = buf
         self._views(n)
 
     def _views(self, n: int) -> None:
-        self.keys, self.values, self.positions = self._k[:, :, :n], self._v[:, :, :n], self._p[:, :, :n]
+        for name in self._SLOT_FIELDS:
+            buf = self._buf.get(name)
+            setattr(self, name, None if buf is None else buf[:, :, :n])
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        start, q = self.keys.shape[-2], keys.shape[-2]
-        if start + q > self._k.shape[-2]:  # a long prefill or chunk: grow once
-            self._store(
-                torch.cat([self.keys, keys], dim=-2),
-                torch.cat([self.values, values], dim=-2),
-                torch.cat([self.positions, positions], dim=-1),
-            )
+    def _slot_tensors(self) -> dict:
+        return {name: getattr(self, name) for name in self._SLOT_FIELDS if getattr(self, name) is not None}
+
+    def _append(self, **new: torch.Tensor) -> None:
+        start, q = self.keys.shape[2], new["keys"].shape[2]
+        if start + q > self._buf["keys"].shape[2]:  # a long prefill or chunk: grow once
+            old = self._slot_tensors()
+            self._store(**{k: torch.cat([old[k], t], dim=2) for k, t in new.items()})
             return
-        self._k[:, :, start : start + q] = keys
-        self._v[:, :, start : start + q] = values
-        self._p[:, :, start : start + q] = positions
+        for name, t in new.items():
+            self._buf[name][:, :, start : start + q] = t
         self._views(start + q)
+
+    def _keep(self, kept: torch.Tensor) -> None:
+        """Keep slots ``kept[B, H_kv, K]`` (sorted) of every per-slot tensor."""
+        fields = {}
+        for name, t in self._slot_tensors().items():
+            idx = kept if t.shape[1] == kept.shape[1] else kept.repeat_interleave(t.shape[1] // kept.shape[1], dim=1)
+            if t.dim() == 4:
+                idx = idx[..., None].expand(-1, -1, -1, t.shape[-1])
+            fields[name] = torch.gather(t, 2, idx)
+        self._store(**fields)
 
     # -- HF layer API -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, d = key_states.shape
-        self._store(
-            key_states.new_empty((b, h, 0, d)),
-            value_states.new_empty((b, h, 0, value_states.shape[-1])),
-            torch.empty((b, h, 0), dtype=torch.long, device=key_states.device),
+        fields = dict(
+            keys=key_states.new_empty((b, h, 0, d)),
+            values=value_states.new_empty((b, h, 0, value_states.shape[-1])),
+            positions=torch.empty((b, h, 0), dtype=torch.long, device=key_states.device),
         )
+        if self.parent.needs_attention:
+            hq = self._step_queries.shape[1] if self._step_queries is not None else h
+            fields["attention"] = torch.zeros((b, hq, 0), dtype=torch.float32, device=key_states.device)
+        self._store(**fields)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -128,14 +153,51 @@ class EvictingLayer(CacheLayerMixin):
                 f"but got batch={b}, kv_heads={h}; use a fresh EvictingCache per batch"
             )
         new_pos = torch.arange(self.seq_len, self.seq_len + q, device=self.positions.device)
-        self._append(key_states, value_states, new_pos.expand(b, h, q))
+        new = dict(keys=key_states, values=value_states, positions=new_pos.expand(b, h, q))
+        if self.attention is not None:
+            new["attention"] = torch.zeros((b, self.attention.shape[1], q), dtype=torch.float32, device=key_states.device)
+        self._append(**new)
         self.seq_len += q
+        if self.attention is not None:
+            self._accumulate_attention()
         keys, values = self.keys, self.values
         p = self.parent
         if keys.shape[-2] >= p.budget + p.buffer:
-            self._store(*p._evict(self, keys, values, self.positions))
+            p._round(self)
         # This step attends to everything, as get_mask_sizes promised; the round only shrinks what is stored.
         return keys, values
+
+    def _accumulate_attention(self) -> None:
+        """Add this forward's attention probabilities (per query head, summed over its queries) to
+        every slot's running total: H2O's "attention received"."""
+        q = self._step_queries
+        if q is None:
+            raise RuntimeError(
+                f"policy {self.parent.policy.name!r} accumulates attention but no queries were captured at layer "
+                f"{self.layer_idx}; use randattn.generate/replay/decode_step, or call randattn.install_guards(model)"
+            )
+        self._step_queries = None
+        groups = q.shape[1] // self.keys.shape[1]
+        k = self.keys.repeat_interleave(groups, dim=1).to(torch.float32)
+        logits = (q.to(torch.float32) @ k.transpose(-1, -2)) * self.scaling  # [B, H_q, n, P]
+        q_pos = torch.arange(self.seq_len - q.shape[2], self.seq_len, device=q.device)
+        slot_pos = self.positions.repeat_interleave(groups, dim=1)  # [B, H_q, P]
+        visible = slot_pos[:, :, None, :] <= q_pos[None, None, :, None]
+        probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        self.attention += probs.sum(dim=2)
+
+    def observe_queries(self, q: torch.Tensor, scaling: float, window: int) -> None:
+        """Remember the last ``window`` post-RoPE queries (and this step's, for accumulation)."""
+        n = q.shape[2]
+        pos = torch.arange(self.seq_len, self.seq_len + n, device=q.device)
+        if self.recent_queries is None or self.recent_queries.shape[0] != q.shape[0]:
+            self.recent_queries, self.recent_query_positions = q[:, :, -window:], pos[-window:]
+        else:
+            self.recent_queries = torch.cat([self.recent_queries, q], dim=2)[:, :, -window:]
+            self.recent_query_positions = torch.cat([self.recent_query_positions, pos])[-window:]
+        self.scaling = float(scaling)
+        if self.parent.needs_attention:
+            self._step_queries = q
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         physical = self.keys.shape[-2] if self.is_initialized else 0
@@ -152,29 +214,28 @@ class EvictingLayer(CacheLayerMixin):
         return self.keys.shape[-2] if self.is_initialized else 0
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = None
-        self._k = self._v = self._p = None
+        self.keys = self.values = self.positions = self.attention = None
+        self._buf = {}
+        self.recent_queries = self.recent_query_positions = self._step_queries = None
         self.is_initialized = False
         self.seq_len = 0
         self.events = 0
 
-    # Beam search and num_return_sequences move whole batch rows; positions move with them.
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    # Beam search and num_return_sequences move whole batch rows; positions and queries move with them.
+    def _map_rows(self, fn) -> None:
         if self.is_initialized:
-            idx = beam_idx.to(self.keys.device)
-            self._store(self.keys.index_select(0, idx), self.values.index_select(0, idx), self.positions.index_select(0, idx))
+            self._store(**{name: fn(t) for name, t in self._slot_tensors().items()})
+        if self.recent_queries is not None:
+            self.recent_queries = fn(self.recent_queries)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._store(
-                self.keys.repeat_interleave(repeats, dim=0),
-                self.values.repeat_interleave(repeats, dim=0),
-                self.positions.repeat_interleave(repeats, dim=0),
-            )
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self._store(self.keys[indices, ...], self.values[indices, ...], self.positions[indices, ...])
+        self._map_rows(lambda t: t[indices, ...])
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove == 0:
@@ -234,6 +295,10 @@ class EvictingCache(Cache):
         self.round_seconds = 0.0
         self.sync_timing = False  # set True to synchronise CUDA around rounds for exact timers
         self._rules: list[_KeepRule] = []
+        needs = set(getattr(self.policy, "needs", ()))
+        self.needs_attention = "attention" in needs
+        self.needs_queries = bool(needs & {"queries", "attention"})
+        self.query_window = max(int(getattr(self.policy, "window", 0) or 0), 1)
         if self.prompt_len is not None:
             self._check_prompt_fits(self.prompt_len)
 
@@ -245,10 +310,17 @@ class EvictingCache(Cache):
         )
 
     # -- HF cache API --------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def _layer(self, layer_idx: int) -> EvictingLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(EvictingLayer(self, len(self.layers)))
-        layer = self.layers[layer_idx]
+        return self.layers[layer_idx]
+
+    def _observe_queries(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> None:
+        """Called by the capture hook before the layer's ``update`` (see :mod:`randattn.capture`)."""
+        self._layer(layer_idx).observe_queries(queries, scaling, self.query_window)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self._layer(layer_idx)
         if layer.seq_len == 0 and self.prompt_len is None:
             self.prompt_len = key_states.shape[-2]
             self._check_prompt_fits(self.prompt_len)
@@ -274,7 +346,7 @@ class EvictingCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values of all layers (room for K + r pairs per head; positions excluded)."""
-        return sum(l._k.nbytes + l._v.nbytes for l in self.layers if l.is_initialized)
+        return sum(l._buf["keys"].nbytes + l._buf["values"].nbytes for l in self.layers if l.is_initialized)
 
     def stats(self) -> dict:
         return {
@@ -348,30 +420,49 @@ class EvictingCache(Cache):
                 evicted = hit if evicted is None else evicted | hit
         return pinned, evicted
 
-    def _evict(self, layer: EvictingLayer, keys, values, positions):
-        timed_cuda = self.sync_timing and keys.is_cuda
+    def _round(self, layer: EvictingLayer) -> None:
+        """One eviction round of one layer: score, per-head top-K, compaction, bookkeeping."""
+        timed_cuda = self.sync_timing and layer.keys.is_cuda
         if timed_cuda:
-            torch.cuda.synchronize(keys.device)
+            torch.cuda.synchronize(layer.keys.device)
         t0 = time.perf_counter()
-        gen = torch.Generator(device=keys.device)
+        layer._keep(self._select(layer))
+        if self.keep_log is not None:
+            self.keep_log.record(layer.layer_idx, layer.events, layer.seq_len, layer.positions)
+        layer.events += 1
+        if timed_cuda:
+            torch.cuda.synchronize(layer.keys.device)
+        self.round_seconds += time.perf_counter() - t0
+
+    def view(self, layer: EvictingLayer) -> CacheView:
+        """The read-only view a policy scores at this layer's next round."""
+        gen = torch.Generator(device=layer.keys.device)
         gen.manual_seed(round_seed(self.seed, layer.layer_idx, layer.events))
-        prompt_len = self.prompt_len or 0
-        view = CacheView(
-            keys=keys,
-            values=values,
-            positions=positions,
+        return CacheView(
+            keys=layer.keys,
+            values=layer.values,
+            positions=layer.positions,
             layer_idx=layer.layer_idx,
             round_idx=layer.events,
-            prompt_len=prompt_len,
+            prompt_len=self.prompt_len or 0,
             seq_len=layer.seq_len,
             budget=self.budget,
             buffer=self.buffer,
             generator=gen,
+            queries=layer.recent_queries,
+            query_positions=layer.recent_query_positions,
+            scaling=layer.scaling,
+            attention=layer.attention,
         )
+
+    def _select(self, layer: EvictingLayer) -> torch.Tensor:
+        """Sorted slot indices ``[B, H_kv, K]`` each head keeps."""
+        view = self.view(layer)
+        positions = view.positions
         scores = self._checked_scores(view)
         inf = torch.tensor(float("inf"), device=scores.device)
-        if self.protect_prompt and prompt_len > 0:
-            scores = torch.where(positions < prompt_len, inf, scores)
+        if self.protect_prompt and view.prompt_len > 0:
+            scores = torch.where(positions < view.prompt_len, inf, scores)
         pinned, evicted = self._rule_masks(layer.layer_idx, positions)
         if pinned is not None:
             scores = torch.where(pinned, inf, scores)
@@ -380,8 +471,8 @@ class EvictingCache(Cache):
         n_pinned = int(torch.isposinf(scores).sum(-1).max())
         if n_pinned > self.budget:
             raise ValueError(
-                f"layer {layer.layer_idx}: {n_pinned} pairs are pinned (protected prompt + keep-mask pins) in one head "
-                f"but the budget keeps only K={self.budget}; raise budget or pin fewer positions"
+                f"layer {layer.layer_idx}: {n_pinned} pairs are pinned (protected prompt + keep-mask pins + the "
+                f"policy's own pins) in one head but the budget keeps only K={self.budget}; raise budget or pin fewer"
             )
         kept = torch.topk(scores, self.budget, dim=-1, sorted=False).indices
         if evicted is not None and bool(torch.isneginf(torch.gather(scores, -1, kept)).any()):
@@ -391,18 +482,7 @@ class EvictingCache(Cache):
                 f"per round or use a larger buffer"
             )
         # topk returns score order; sorting the slot indices keeps every head chronological.
-        kept = kept.sort(dim=-1).values
-        gather_idx = kept[..., None]
-        keys = torch.gather(keys, 2, gather_idx.expand(-1, -1, -1, keys.shape[-1]))
-        values = torch.gather(values, 2, gather_idx.expand(-1, -1, -1, values.shape[-1]))
-        positions = torch.gather(positions, 2, kept)
-        if self.keep_log is not None:
-            self.keep_log.record(layer.layer_idx, layer.events, layer.seq_len, positions)
-        layer.events += 1
-        if timed_cuda:
-            torch.cuda.synchronize(keys.device)
-        self.round_seconds += time.perf_counter() - t0
-        return keys, values, positions
+        return kept.sort(dim=-1).values
 
     def _checked_scores(self, view: CacheView) -> torch.Tensor:
         try:

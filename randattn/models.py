@@ -265,7 +265,12 @@ def _guard_hook(module, args, kwargs):
 
 def install_guards(model) -> None:
     """Make ``model`` refuse inputs an EvictingCache cannot serve correctly (padded batches, sliding
-    windows exceeded) with a clear error. Idempotent; :func:`load_model` calls it."""
+    windows exceeded) with a clear error, and capture queries for attention-based policies.
+    Idempotent; :func:`load_model`, :func:`randattn.generate` and :func:`randattn.replay` call it."""
+    from .capture import install_query_capture
+
     model._randattn_sliding_window = _sliding_window(model.config)
     if getattr(model, "_randattn_guard_handle", None) is None:
         model._randattn_guard_handle = model.register_forward_pre_hook(_guard_hook, with_kwargs=True)
+    # Query capture for attention-based policies: a no-op check per layer when the policy needs none.
+    install_query_capture(model)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -47,6 +47,10 @@ class CacheView:
         cache protects the prompt, so a policy never has to.
     seq_len: absolute length of the sequence so far (one past the newest position).
     generator: seeded for this (seed, layer, round); draw on ``keys.device`` in float32.
+    queries: the last ``w`` post-RoPE queries ``[B, H_q, w, D]`` (``query_positions[w]``), when
+        the policy lists ``"queries"`` in ``needs``; ``scaling`` is the attention's softmax scale.
+    attention: accumulated attention received per slot and query head ``[B, H_q, S]``, when the
+        policy lists ``"attention"`` in ``needs``.
     """
 
     keys: torch.Tensor
@@ -59,6 +63,10 @@ class CacheView:
     budget: int
     buffer: int
     generator: torch.Generator
+    queries: Optional[torch.Tensor] = None
+    query_positions: Optional[torch.Tensor] = None
+    scaling: Optional[float] = None
+    attention: Optional[torch.Tensor] = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -74,6 +82,10 @@ class Policy:
     """
 
     name: str = "custom"
+    #: what the cache must capture for this policy: "queries" (last ``window`` post-RoPE queries)
+    #: and/or "attention" (attention received, accumulated over decoding).
+    needs: frozenset = frozenset()
+    window: int = 0
 
     def score(self, view: CacheView) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,4 +1,9 @@
 import functools
+import os
+
+# Nothing in the suite may reach a model hub: CI has no network beyond package registries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
 import torch
