@@ -20,6 +20,9 @@ from .models import (
     resolve_device,
 )
 from .policies import CacheView, Policy, known_policies, make_policy, register_policy
+from . import selectors  # noqa: F401  (registers h2o, snapkv, rkv, vase)
+from . import triattention  # noqa: F401  (registers triattention)
+from .triattention import TriAttentionStats, check_stats, load_stats
 
 __version__ = "0.1.0"
 
@@ -45,4 +48,7 @@ __all__ = [
     "replay_tokenwise",
     "ReplayResult",
     "round_seed",
+    "TriAttentionStats",
+    "load_stats",
+    "check_stats",
 ]

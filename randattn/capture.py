@@ -26,8 +26,12 @@ def attention_modules(model):
     return found
 
 
-def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
-    """Post-RoPE queries ``[B, H_q, n, D]`` exactly as ``module`` computes them."""
+def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings, rotate: bool = True) -> torch.Tensor:
+    """Post-RoPE queries ``[B, H_q, n, D]`` exactly as ``module`` computes them.
+
+    ``rotate=False`` stops before the rotary embedding and returns the pre-RoPE queries (projection
+    and q-norm only; ``position_embeddings`` may then be ``None``), as TriAttention's calibration needs.
+    """
     head_dim = module.head_dim
     if hasattr(module, "q_proj"):
         q = module.q_proj(hidden_states)
@@ -37,6 +41,8 @@ def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings) 
     if hasattr(module, "q_norm"):
         q = module.q_norm(q)
     q = q.transpose(1, 2)
+    if not rotate:
+        return q
     cos, sin = position_embeddings
     rotary = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
     if rotary is None:

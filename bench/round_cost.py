@@ -1,0 +1,160 @@
+"""The cost of one eviction round per policy: scoring + per-head top-K + compaction.
+
+    python -m bench.round_cost                       # paper shapes (Qwen3-4B layer) + the embedded model's
+    python -m bench.round_cost --repeats 50 --policies random snapkv
+
+One layer's cache is filled with random post-RoPE keys/values (and recent queries / accumulated
+attention for the policies that read them), then every policy runs the same round on it, the
+policies interleaved within each repeat so that drift hits them alike. Printed: median
+milliseconds, the ratio to Random, and Random against the floor of copying the kept keys and
+values once (the memory traffic any compaction must pay).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import randattn
+from randattn.cache import EvictingLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from probes.common import positive_int  # noqa: E402
+
+# (label, H_kv, H_q, head_dim, K, r)
+SHAPES = [
+    ("Qwen3-4B K=1024", 8, 32, 128, 1024, 64),
+    ("Qwen3-4B K=2048", 8, 32, 128, 2048, 64),
+    ("SmolLM2-135M K=1024", 3, 9, 64, 1024, 64),
+]
+
+
+def _policy_options(name: str, shape) -> dict:
+    """Options a policy needs to run on synthetic data (TriAttention: statistics of the right shape)."""
+    if name != "triattention":
+        return {}
+    from randattn.triattention import TriAttentionStats
+
+    _, h_kv, h_q, d, _, _ = shape
+    g = torch.Generator().manual_seed(1)
+    qbar = torch.randn(1, h_q, d, generator=g)
+    stats = TriAttentionStats(
+        qbar=qbar,
+        mbar=qbar.view(1, h_q, 2, d // 2).norm(dim=2) + torch.rand(1, h_q, d // 2, generator=g),
+        inv_freq=1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)),
+        meta={"num_kv_heads": h_kv, "max_position_embeddings": 32768},
+    )
+    return {"stats": stats}
+
+
+def _filled_layer(cache: randattn.EvictingCache, h_kv: int, h_q: int, d: int, prompt: int, seed: int) -> EvictingLayer:
+    g = torch.Generator().manual_seed(seed)
+    s = cache.budget + cache.buffer
+    layer = EvictingLayer(cache, 0)
+    # Slots hold the prompt and a random chronological subset of a longer trace, as after many rounds.
+    later = torch.randperm(8 * s, generator=g)[: s - prompt].sort().values + prompt
+    pos = torch.cat([torch.arange(prompt), later]).expand(1, h_kv, s).contiguous()
+    fields = dict(
+        keys=torch.randn(1, h_kv, s, d, generator=g),
+        values=torch.randn(1, h_kv, s, d, generator=g),
+        positions=pos,
+    )
+    if cache.needs_attention:
+        fields["attention"] = torch.rand(1, h_q, s, generator=g) * 50
+    layer._store(**fields)
+    layer.seq_len = int(pos.max()) + 1
+    layer.is_initialized = True
+    if cache.needs_queries:
+        w = cache.query_window
+        layer.recent_queries = torch.randn(1, h_q, w, d, generator=g)
+        layer.recent_query_positions = torch.arange(layer.seq_len - w, layer.seq_len)
+        layer.scaling = d**-0.5
+    return layer
+
+
+def _time_round(cache, layer_fields, template: EvictingLayer) -> float:
+    template._store(**{k: v for k, v in layer_fields.items()})
+    template.events = 0
+    t0 = time.perf_counter()
+    cache._round(template)
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--policies", nargs="+", default=None, help="default: every registered policy")
+    p.add_argument("--repeats", type=positive_int, default=30)
+    p.add_argument("--warmup", type=positive_int, default=3)
+    p.add_argument("--prompt", type=positive_int, default=64, help="protected prompt length")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="data/results/bench/round_cost.json")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    policies = args.policies or randattn.known_policies()
+    unknown = [x for x in policies if x not in randattn.known_policies()]
+    if unknown:
+        p.error(f"--policies: unknown {unknown}; choose from {', '.join(randattn.known_policies())}")
+    if "random" not in policies:
+        policies = ["random", *policies]
+
+    rows = []
+    torch.manual_seed(args.seed)
+    for shape in SHAPES:
+        label, h_kv, h_q, d, k, r = shape
+        setups = {}
+        for name in policies:
+            cache = randattn.EvictingCache(name, budget=k, buffer=r, prompt_len=args.prompt, seed=args.seed,
+                                           **_policy_options(name, shape))
+            layer = _filled_layer(cache, h_kv, h_q, d, args.prompt, args.seed)
+            setups[name] = (cache, layer, layer._slot_tensors())
+        floor_src = setups["random"][2]
+        kept = torch.arange(k).expand(1, h_kv, k)
+        times = {name: [] for name in policies}
+        floor = []
+        for rep in range(args.warmup + args.repeats):
+            for name, (cache, layer, fields) in setups.items():
+                elapsed = _time_round(cache, fields, layer)
+                if rep >= args.warmup:
+                    times[name].append(elapsed)
+            t0 = time.perf_counter()
+            idx = kept[..., None].expand(-1, -1, -1, d)
+            torch.gather(floor_src["keys"], 2, idx)
+            torch.gather(floor_src["values"], 2, idx)
+            if rep >= args.warmup:
+                floor.append(time.perf_counter() - t0)
+        base = statistics.median(times["random"])
+        floor_ms = 1e3 * statistics.median(floor)
+        for name in policies:
+            ms = 1e3 * statistics.median(times[name])
+            rows.append({"shape": label, "kv_heads": h_kv, "q_heads": h_q, "head_dim": d, "budget": k, "buffer": r,
+                         "policy": name, "ms": ms, "x_random": ms / (1e3 * base), "copy_floor_ms": floor_ms})
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": torch.get_num_threads(), "repeats": args.repeats, "prompt": args.prompt, "device": "cpu"}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    for label, *_ in SHAPES:
+        sub = [x for x in rows if x["shape"] == label]
+        print(f"\n{label}: one layer, {sub[0]['kv_heads']} KV heads x {sub[0]['budget'] + sub[0]['buffer']} slots, "
+              f"head dim {sub[0]['head_dim']}, prompt {args.prompt} protected; median of {args.repeats}")
+        print(f"  {'policy':>14} {'ms/round':>9} {'x random':>9}")
+        for x in sub:
+            print(f"  {x['policy']:>14} {x['ms']:9.3f} {x['x_random']:9.2f}")
+        rnd = next(x for x in sub if x["policy"] == "random")
+        print(f"  copy floor (gather kept K and V once): {rnd['copy_floor_ms']:.3f} ms; random = "
+              f"{rnd['ms'] / rnd['copy_floor_ms']:.2f}x the floor")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
