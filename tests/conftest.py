@@ -34,3 +34,22 @@ def embedded():
 def random_ids(batch: int, length: int, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+def logprobs_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log p(x_t | x_<t) for t >= 1 from full-sequence logits ``[B, T, V]``."""
+    lp = torch.log_softmax(logits.float(), -1)
+    return torch.gather(lp[:, :-1], -1, ids[:, 1:, None])[..., 0]
+
+
+def assert_matches_masked_reference(model, ids, result, keep_log, atol: float = 1e-5) -> None:
+    """The physical-eviction oracle: ``result`` (a ReplayResult of decoding ``ids`` through an
+    evicting cache) equals one uncached forward with the positions the keep-log evicted masked
+    per layer and KV head; and, so the check has teeth, differs from plain full attention."""
+    from randattn.reference import masked_forward_logits
+
+    ref = masked_forward_logits(model, ids, keep_log)
+    torch.testing.assert_close(result.logprobs[:, 1:], logprobs_of(ref, ids), atol=atol, rtol=0)
+    assert torch.equal(result.argmax[:, 1:], ref[:, :-1].argmax(-1))
+    full = model(ids).logits
+    assert (logprobs_of(full, ids) - result.logprobs[:, 1:]).abs().max() > 1e-2, "eviction changed nothing"

@@ -6,14 +6,10 @@ import torch
 import randattn
 from randattn.reference import masked_forward_logits
 
-from conftest import random_ids
+from conftest import assert_matches_masked_reference, logprobs_of, random_ids
 
 ARCHS = ["llama", "qwen3", "phi3", "mistral", "qwen2"]
 
-
-def _logprobs_of(logits, ids):
-    lp = torch.log_softmax(logits.float(), -1)
-    return torch.gather(lp[:, :-1], -1, ids[:, 1:, None])[..., 0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -24,12 +20,7 @@ def test_physical_eviction_equals_masked_full_attention(tiny, arch, policy):
     cache = randattn.EvictingCache(policy, budget=24, buffer=8, keep_log=True, seed=5)
     got = randattn.replay_tokenwise(model, ids, cache, prompt_len=10)
     assert min(cache.events) >= 10, "the test must run many rounds"
-    ref = masked_forward_logits(model, ids, cache.keep_log)
-    torch.testing.assert_close(got.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
-    assert torch.equal(got.argmax[:, 1:], ref[:, :-1].argmax(-1))
-    # The comparison has teeth: without the eviction masks the logits are different.
-    full = model(ids).logits
-    assert (_logprobs_of(full, ids) - got.logprobs[:, 1:]).abs().max() > 1e-2
+    assert_matches_masked_reference(model, ids, got, cache.keep_log)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
@@ -41,7 +32,7 @@ def test_oracle_with_keep_masks_and_unprotected_prompt(tiny, arch):
     cache.force_evict([30, 31], heads=[0])
     got = randattn.replay(model, ids, cache, prompt_len=8)
     ref = masked_forward_logits(model, ids, cache.keep_log)
-    torch.testing.assert_close(got.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.logprobs[:, 1:], logprobs_of(ref, ids), atol=1e-5, rtol=0)
 
 
 def test_budget_larger_than_sequence_matches_hf_default_cache(tiny):
@@ -112,5 +103,5 @@ def test_eager_attention_uses_the_cache_mask_sizes(tiny):
     slow = randattn.replay_tokenwise(model, ids, c1, prompt_len=9)
     fast = randattn.replay(model, ids, c2, prompt_len=9)
     ref = masked_forward_logits(model, ids, c1.keep_log)
-    torch.testing.assert_close(slow.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
-    torch.testing.assert_close(fast.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(slow.logprobs[:, 1:], logprobs_of(ref, ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.logprobs[:, 1:], logprobs_of(ref, ids), atol=1e-5, rtol=0)

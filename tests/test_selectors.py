@@ -21,10 +21,9 @@ import transformers
 
 import randattn
 from randattn.policies import CacheView
-from randattn.reference import masked_forward_logits
 from randattn.testing import tiny_config
 
-from conftest import random_ids
+from conftest import assert_matches_masked_reference, random_ids
 
 SELECTORS = ["h2o", "snapkv", "rkv", "vase"]
 # triattention needs calibration statistics and is tested in tests/test_triattention.py.
@@ -474,10 +473,6 @@ def test_vase_without_sinks_survives_a_query_whose_keys_were_all_evicted():
 # ---------------------------------------------------------------------------------------------
 
 
-def _logprobs_of(logits, ids):
-    lp = torch.log_softmax(logits.float(), -1)
-    return torch.gather(lp[:, :-1], -1, ids[:, 1:, None])[..., 0]
-
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("policy", POLICIES)
@@ -489,11 +484,7 @@ def test_oracle_and_replay_for_every_policy(tiny, arch, policy):
     c1 = randattn.EvictingCache(policy, budget=48, buffer=8, keep_log=True, seed=4)
     slow = randattn.replay_tokenwise(model, ids, c1, prompt_len=10)
     assert min(c1.events) >= 10, "the test must run many rounds"
-    ref = masked_forward_logits(model, ids, c1.keep_log)
-    torch.testing.assert_close(slow.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
-    assert torch.equal(slow.argmax[:, 1:], ref[:, :-1].argmax(-1))
-    full = model(ids).logits  # teeth: without the eviction masks the log-probs differ
-    assert (_logprobs_of(full, ids) - slow.logprobs[:, 1:]).abs().max() > 1e-2
+    assert_matches_masked_reference(model, ids, slow, c1.keep_log)
 
     c2 = randattn.EvictingCache(policy, budget=48, buffer=8, keep_log=True, seed=4)
     fast = randattn.replay(model, ids, c2, prompt_len=10)

@@ -12,7 +12,6 @@ import randattn.triattention  # noqa: F401  (registers "triattention" until rand
 from randattn.calibrate import build_parser, calibrate, main as calibrate_main, rotary_parameters
 from randattn.capture import attention_modules, recompute_queries
 from randattn.policies import CacheView, make_policy
-from randattn.reference import masked_forward_logits
 from randattn.triattention import (
     DEFAULT_OFFSETS,
     TriAttentionStats,
@@ -22,7 +21,7 @@ from randattn.triattention import (
     triattention_raw,
 )
 
-from conftest import random_ids
+from conftest import assert_matches_masked_reference, random_ids
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -329,10 +328,6 @@ def test_calibrate_help_documents_every_flag():
 
 
 # -- 3. physical-eviction oracle -------------------------------------------------------------------
-def _logprobs_of(logits, ids):
-    lp = torch.log_softmax(logits.float(), -1)
-    return torch.gather(lp[:, :-1], -1, ids[:, 1:, None])[..., 0]
-
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("aggregate", ["max", "mean"])
@@ -344,11 +339,7 @@ def test_oracle_triattention(tiny, arch, aggregate):
                                    aggregate=aggregate)
     got = randattn.replay_tokenwise(model, ids, cache, prompt_len=10)
     assert min(cache.events) >= 10, "the test must run many rounds"
-    ref = masked_forward_logits(model, ids, cache.keep_log)
-    torch.testing.assert_close(got.logprobs[:, 1:], _logprobs_of(ref, ids), atol=1e-5, rtol=0)
-    assert torch.equal(got.argmax[:, 1:], ref[:, :-1].argmax(-1))
-    full = model(ids).logits
-    assert (_logprobs_of(full, ids) - got.logprobs[:, 1:]).abs().max() > 1e-2
+    assert_matches_masked_reference(model, ids, got, cache.keep_log)
     # It is not recency in disguise: some head keeps an old non-prompt position a recency cache drops.
     kept = cache.positions(0)
     assert bool(((kept >= 10) & (kept < 160 - 24)).any())
