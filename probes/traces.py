@@ -1,0 +1,161 @@
+"""Reasoning-trace corpus: varied math word problems and the model's own step-by-step solutions.
+
+    python -m probes.traces                                  # embedded model -> data/traces/smollm2-135m.jsonl
+    python -m probes.traces --tokens 20000 --out my.jsonl --model Qwen/Qwen3-0.6B
+
+Each JSONL row: ``id``, ``question``, ``answer`` (the true result), ``text`` (the model's
+solution), ``tokens`` (its length), and the generation ``settings``. The run appends one batch at a
+time and resumes where a file left off, so an interrupted run loses at most one batch. Probes
+draw filler from the ``text`` field of any such file (``--traces FILE.jsonl``), e.g. a reasoning
+model's MATH500 completions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .common import base_parser, positive_int
+
+NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
+         "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yusuf", "Zara"]
+ITEMS = [("apple", "apples"), ("book", "books"), ("marble", "marbles"), ("pencil", "pencils"), ("stamp", "stamps"),
+         ("cookie", "cookies"), ("sticker", "stickers"), ("shell", "shells"), ("card", "cards"), ("coin", "coins")]
+
+
+def _problem(rng: random.Random) -> tuple[str, float]:
+    """One word problem and its exact answer."""
+    a, b = rng.sample(NAMES, 2)
+    one, many = rng.choice(ITEMS)
+    kind = rng.randrange(8)
+    if kind == 0:
+        x, y, z = rng.randint(12, 95), rng.randint(3, 9), rng.randint(5, 40)
+        return (f"{a} has {x} {many}. {b} has {y} times as many {many} as {a}, then gives away {z}. "
+                f"How many {many} does {b} have left?", x * y - z)
+    if kind == 1:
+        price, n = rng.randint(2, 19), rng.randint(3, 12)
+        paid = (price * n // 50 + 1) * 50
+        return (f"{a} buys {n} {many} at ${price} each and pays with ${paid}. How much change does {a} get?",
+                paid - price * n)
+    if kind == 2:
+        speed, hours, extra = rng.randint(35, 95), rng.randint(2, 7), rng.randint(10, 90)
+        return (f"A train travels at {speed} km per hour for {hours} hours, then another {extra} km. "
+                f"How far does it travel in total?", speed * hours + extra)
+    if kind == 3:
+        total, pct = rng.randint(4, 30) * 20, rng.choice([10, 15, 20, 25, 30, 40, 60, 75])
+        return (f"A shop has {total} {many}. It sells {pct}% of them in the morning and half of the rest in the "
+                f"afternoon. How many {many} are left?", (total - total * pct / 100) / 2)
+    if kind == 4:
+        w, h = rng.randint(4, 30), rng.randint(4, 30)
+        return (f"A garden is {w} m long and {h} m wide. A path 1 m wide runs around the outside. "
+                f"What is the area of the path in square metres?", (w + 2) * (h + 2) - w * h)
+    if kind == 5:
+        n, k = rng.randint(3, 9), rng.randint(2, 6)
+        boxes = rng.randint(4, 15)
+        return (f"{a} packs {many} into {boxes} boxes with {n} {many} in each box. {b} packs {k} more boxes of the "
+                f"same size. How many {many} did they pack together?", n * (boxes + k))
+    if kind == 6:
+        age, diff, years = rng.randint(6, 20), rng.randint(2, 30), rng.randint(2, 15)
+        return (f"{a} is {age} years old and {b} is {diff} years older. How old will they be together in "
+                f"{years} years?", age + age + diff + 2 * years)
+    x, y = rng.randint(10, 60), rng.randint(10, 60)
+    return (f"{a} and {b} share {x + y} {many}. {a} gets {x - y if x > y else y - x} more than {b}. "
+            f"How many {many} does {a} get?", max(x, y))
+
+
+def make_problem(rng: random.Random) -> dict:
+    question, answer = _problem(rng)
+    answer = int(answer) if float(answer).is_integer() else answer
+    return {"question": question + " Solve it step by step and give the final answer.", "answer": answer}
+
+
+def load_traces(path: "str | Path") -> list[str]:
+    """The ``text`` field of every row of a traces JSONL file, with clear errors."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--traces {path}: no such file; make one with `python -m probes.traces --out {path}`")
+    texts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--traces {path}: line {n} is not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise ValueError(f'--traces {path}: line {n} has no string "text" field')
+            texts.append(row["text"])
+    if not texts:
+        raise ValueError(f"--traces {path}: the file holds no traces")
+    return texts
+
+
+def _done(path: Path) -> tuple[int, int]:
+    """(rows, tokens) already in ``path``."""
+    rows = tokens = 0
+    if path.exists():
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rows += 1
+                    tokens += json.loads(line)["tokens"]
+    return rows, tokens
+
+
+def main(argv=None) -> int:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=positive_int, default=100_000, help="stop once the file holds this many trace tokens")
+    p.add_argument("--batch", type=positive_int, default=16, help="problems generated together")
+    p.add_argument("--max-new-tokens", type=positive_int, default=384)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    args = p.parse_args(argv)
+    import randattn
+
+    out = Path(args.out or "data/traces/smollm2-135m.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows, tokens = _done(out)
+    model, tok = randattn.load_model(args.model, device=args.device)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    settings = {
+        "model": args.model or randattn.DEFAULT_MODEL, "do_sample": True, "temperature": args.temperature,
+        "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed, "chat_template": True,
+        "cache": "full (no eviction)",
+    }
+    bar = tqdm(total=args.tokens, initial=min(tokens, args.tokens), unit="tok", desc=f"traces -> {out}")
+    while tokens < args.tokens:
+        batch_seed = args.seed * 1_000_003 + rows  # resumable: problem i depends only on (seed, i)
+        problems = [make_problem(random.Random(batch_seed + i)) for i in range(args.batch)]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": pr["question"]}], add_generation_prompt=True,
+                                           tokenize=False) for pr in problems]
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        torch.manual_seed(batch_seed)
+        with torch.no_grad():
+            gen = model.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                                 max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
+        new = gen[:, enc["input_ids"].shape[1]:]
+        with open(out, "a") as f:
+            for i, (pr, ids) in enumerate(zip(problems, new)):
+                ids = ids[ids != tok.pad_token_id] if tok.pad_token_id != tok.eos_token_id else ids
+                ids = ids[: (ids == tok.eos_token_id).nonzero()[0, 0]] if (ids == tok.eos_token_id).any() else ids
+                text = tok.decode(ids, skip_special_tokens=True).strip()
+                row = {"id": rows + i, **pr, "text": text, "tokens": int(ids.numel()), "settings": settings}
+                f.write(json.dumps(row) + "\n")
+                tokens += row["tokens"]
+                bar.update(row["tokens"])
+        rows += len(problems)
+    bar.close()
+    print(f"{out}: {rows} traces, {tokens} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
