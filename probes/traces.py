@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from randattn.traces import load_traces  # noqa: F401  (re-exported for the probes)
+
 from .common import base_parser, positive_int
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
@@ -72,28 +74,6 @@ def make_problem(rng: random.Random) -> dict:
     question, answer = _problem(rng)
     answer = int(answer) if float(answer).is_integer() else answer
     return {"question": question + " Solve it step by step and give the final answer.", "answer": answer}
-
-
-def load_traces(path: "str | Path") -> list[str]:
-    """The ``text`` field of every row of a traces JSONL file, with clear errors."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"--traces {path}: no such file; make one with `python -m probes.traces --out {path}`")
-    texts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--traces {path}: line {n} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise ValueError(f'--traces {path}: line {n} has no string "text" field')
-            texts.append(row["text"])
-    if not texts:
-        raise ValueError(f"--traces {path}: the file holds no traces")
-    return texts
 
 
 def _done(path: Path) -> tuple[int, int]:

@@ -22,7 +22,6 @@ this project (:data:`PROBLEMS`), until about ``--tokens`` tokens (prompts includ
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .capture import attention_modules, recompute_queries
+from .traces import load_traces
 from .triattention import TriAttentionStats, _model_shape
 
 __all__ = ["calibrate", "rotary_parameters", "default_trace", "PROBLEMS", "main"]
@@ -208,17 +208,7 @@ def _file_trace(tok, *, text: Optional[Path], traces: Optional[Path], tokens: in
     if text is not None:
         texts.append(text.read_text(encoding="utf-8"))
     else:
-        with open(traces, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{traces}:{n}: not valid JSON ({exc})") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ValueError(f'{traces}:{n}: each line must be a JSON object with a "text" string field')
-                texts.append(row["text"])
+        texts = load_traces(traces)
     seqs, budget = [], tokens
     for t in texts:
         got = _chunks(tok(t)["input_ids"], max_length, budget)
