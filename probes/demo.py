@@ -41,10 +41,18 @@ def main(argv=None) -> int:
     msgs = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ids = ids.to(model.device)
-    cache = randattn.EvictingCache(
-        args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=not args.no_protect_prompt,
-        seed=args.seed, keep_log=True,
-    )
+    options = {}
+    if args.policy == "triattention" and args.model is None:
+        options["stats"] = randattn.DEFAULT_MODEL  # the embedded model's statistics ship with the package
+    try:
+        cache = randattn.EvictingCache(
+            args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=not args.no_protect_prompt,
+            seed=args.seed, keep_log=True, **options,
+        )
+        if cache.protect_prompt:
+            cache._check_prompt_fits(ids.shape[1])
+    except ValueError as exc:
+        p.error(str(exc))
     t0 = time.perf_counter()
     out = randattn.generate(
         model, ids, cache, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False
