@@ -8,7 +8,7 @@ Core objects:
 """
 
 from .cache import EvictingCache, EvictingLayer, round_seed
-from .decoding import ReplayResult, decode_step, generate, replay, replay_tokenwise
+from .decoding import Replay, ReplayResult, decode_step, generate, replay, replay_tokenwise
 from .keeplog import KeepLog
 from .models import (
     DEFAULT_MODEL,
@@ -46,6 +46,7 @@ __all__ = [
     "decode_step",
     "replay",
     "replay_tokenwise",
+    "Replay",
     "ReplayResult",
     "round_seed",
     "TriAttentionStats",

@@ -208,3 +208,28 @@ class StreamingLLMPolicy(Policy):
     def score(self, view: CacheView) -> torch.Tensor:
         s = view.positions.to(torch.float32)
         return torch.where(view.positions < self.n_sink, torch.full_like(s, float("inf")), s)
+
+
+@register_policy("random-block")
+class RandomBlockPolicy(Policy):
+    """Random eviction in contiguous blocks: absolute positions ``[j*block, (j+1)*block)`` form block
+    ``j``; every head ranks blocks by its own uniform draw each round, so a block is kept or
+    dropped as a unit. When a round must cut into a block (``block > r``), the block's oldest slots
+    go first, so what survives stays contiguous. ``block=1`` is Random Attention.
+
+    K / block is the number of blocks a head can hold: the quantity the paper's block experiment
+    varies (1..64 cost almost nothing; 256 leaves too few blocks per head).
+    """
+
+    def __init__(self, block: int = 16):
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"random-block block must be a positive int (tokens per block), got {block!r}")
+        self.block = block
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        b, h, _ = view.shape
+        block_of = view.positions // self.block
+        draw = torch.rand((b, h, view.seq_len // self.block + 1), generator=view.generator, device=view.keys.device)
+        rank = draw.argsort(dim=-1).argsort(dim=-1).to(torch.float32)  # integers: no ties between blocks
+        within = (view.positions % self.block).to(torch.float32) / self.block  # in [0, 1): older first out
+        return torch.gather(rank, 2, block_of) + within

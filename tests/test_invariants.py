@@ -25,7 +25,7 @@ def test_invariants_hold_for_random_configurations(trial):
     budget, buffer = rng.randint(2, 40), rng.randint(1, 12)
     protect = rng.random() < 0.6
     prompt = rng.randint(1, budget - 1) if protect else rng.randint(1, 3 * budget)
-    policy = rng.choice(["random", "random-shared", "recency", "streamingllm"])
+    policy = rng.choice(["random", "random-shared", "recency", "streamingllm", "random-block"])
     cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, protect_prompt=protect, seed=trial)
     chunks = [prompt] + [rng.choice([1, 1, 1, rng.randint(1, buffer)]) for _ in range(rng.randint(20, 80))]
     previous = [None] * layers
@@ -139,3 +139,28 @@ def test_keep_log_round_trips_through_npz(tmp_path):
     back = randattn.KeepLog.load(path)
     assert back.layers == cache.keep_log.layers and back.seq_lens == cache.keep_log.seq_lens
     assert all((x == y).all() for x, y in zip(back.kept, cache.keep_log.kept))
+
+
+@pytest.mark.parametrize("block", [1, 3, 8, 32])
+def test_random_block_keeps_contiguous_suffixes_of_blocks(block):
+    budget, buffer, b, h = 32, 8, 2, 3
+    cache = randattn.EvictingCache("random-block", budget=budget, buffer=buffer, protect_prompt=False, seed=block,
+                                   block=block)
+    blocks_seen = set()
+    for step in range(300):
+        _feed(cache, 0, 1, b, h)
+        seq = cache.get_seq_length(0)
+        pos = cache.positions(0)
+        for row in range(b):
+            for head in range(h):
+                kept = pos[row, head].tolist()
+                by_block = {}
+                for p in kept:
+                    by_block.setdefault(p // block, []).append(p)
+                blocks_seen.add(len(by_block))
+                for j, ps in by_block.items():
+                    end = min((j + 1) * block, seq) - 1  # what survives of a block is its newest part
+                    assert ps == list(range(end - len(ps) + 1, end + 1)), (block, j, ps)
+    assert cache.events[0] > 20
+    if block >= 8:  # a head holds about K / block blocks (plus at most a few partial ones)
+        assert min(blocks_seen) <= budget // block + 2

@@ -13,7 +13,7 @@ ARCHS = ["llama", "qwen3", "phi3", "mistral", "qwen2"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("policy", ["random", "recency", "streamingllm"])
+@pytest.mark.parametrize("policy", ["random", "recency", "streamingllm", "random-block"])
 def test_physical_eviction_equals_masked_full_attention(tiny, arch, policy):
     model = tiny(arch)
     ids = random_ids(2, 160, seed=1)
@@ -48,7 +48,7 @@ def test_budget_larger_than_sequence_matches_hf_default_cache(tiny):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-@pytest.mark.parametrize("policy", ["random", "random-shared", "recency"])
+@pytest.mark.parametrize("policy", ["random", "random-shared", "recency", "random-block"])
 def test_replay_equals_token_by_token(tiny, arch, policy):
     model = tiny(arch)
     ids = random_ids(2, 150, seed=4)
