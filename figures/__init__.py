@@ -1,0 +1,1 @@
+"""Figures drawn from saved results under ``data/results/`` (never by rerunning a model)."""

@@ -1,0 +1,39 @@
+"""One look for every figure: seaborn paper context, readable labels, PNG + PDF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # figures are files; never open a window (CI, ssh, notebooks alike)
+import matplotlib.pyplot as plt  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+FIGURES = Path(__file__).resolve().parent
+PALETTE = sns.color_palette("colorblind")
+
+
+def apply() -> None:
+    sns.set_theme(context="paper", style="whitegrid", palette=PALETTE, font_scale=1.15,
+                  rc={"axes.titleweight": "bold", "figure.dpi": 110, "savefig.bbox": "tight"})
+
+
+def geometry(config: dict) -> str:
+    """``model, K=.., r=.., distance ..`` for titles and captions."""
+    parts = [f"{config['model']}", f"K={config['budget']}", f"r={config['buffer']}"]
+    if "distance" in config:
+        parts.append(f"distance {config['distance']}")
+    parts.append(f"background: {config['policy']}{' + prompt' if config.get('protect_prompt') else ''}")
+    return ", ".join(parts)
+
+
+def save(fig, name: str, out_dir: "str | Path | None" = None) -> list[Path]:
+    """Write ``name.png`` and ``name.pdf``; returns the paths."""
+    out = Path(out_dir) if out_dir else FIGURES
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.savefig(paths[0], dpi=200)
+    fig.savefig(paths[1])
+    plt.close(fig)
+    return paths
