@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -26,6 +27,23 @@ def geometry(config: dict) -> str:
         parts.append(f"distance {config['distance']}")
     parts.append(f"background: {config['policy']}{' + prompt' if config.get('protect_prompt') else ''}")
     return ", ".join(parts)
+
+
+def load_rows(path: "str | Path", probe: str) -> list[dict]:
+    """Result rows of one run; a missing file names the command that makes it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no results; run `python -m probes.{probe}` to produce them")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no rows; run `python -m probes.{probe}`")
+    return rows
+
+
+def errorbar(ax, x, est, **kw):
+    """One point with its bootstrap CI (an :class:`randattn.stats.Estimate`)."""
+    return ax.errorbar(x, est.value, yerr=[[est.value - est.lo], [est.hi - est.value]], fmt=kw.pop("fmt", "o"),
+                       capsize=kw.pop("capsize", 3), **kw)
 
 
 def save(fig, name: str, out_dir: "str | Path | None" = None) -> list[Path]:

@@ -14,17 +14,14 @@ rows to ``data/results/head_pooling/`` and ``figures/head_pooling.png``.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import sys
-
-import numpy as np
 
 from randattn.stats import bootstrap
 
 from .planted import Condition, subset_label, subsets
 from .planted_run import (describe, endpoint_check, lp_table, parity_check, planted_parser, print_table, run_conditions,
-                          setup, summarize)
+                          setup, summarize, write_csv)
 
 
 def pooling_conditions(n_heads: int, width: int, *, max_all_subsets: int = 8) -> list[Condition]:
@@ -110,18 +107,12 @@ def main(argv=None) -> int:
         print(line)
     ok, text = endpoint_check(rows, seed=args.seed)
     print(text)
-    summary_path = s.results.path.with_suffix(".summary.csv")
-    with open(summary_path, "w", newline="") as f:
-        table = [summ.as_row() for summ in summaries.values()]
-        keys = list(dict.fromkeys(k for r in table for k in r))
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(table)
+    summary_path = write_csv(s.results.path.with_suffix(".summary.csv"), [x.as_row() for x in summaries.values()])
     print(f"\nrows: {s.results.path}\nsummary: {summary_path}")
     if not args.no_figure:
         from figures.head_pooling import plot
 
-        for path in plot(s.results.path):
+        for path in plot(s.results.path, args.figure_dir):
             print(f"figure: {path}")
     return 0
 

@@ -52,6 +52,7 @@ def planted_parser(description: str, *, instances: int = 48) -> argparse.Argumen
                    help="instances checked against token-by-token decoding before the run (0: skip)")
     g.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
     g.add_argument("--no-figure", action="store_true", help="do not draw the figure")
+    g.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
     return p
 
 
@@ -77,8 +78,10 @@ class Session:
 
 
 def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser, *, n_facts: int = 1,
-          extra_config: Optional[dict] = None, policy_options: Optional[dict] = None) -> Session:
-    """Validate flags, load model and traces, open (or resume) the results file."""
+          extra_config: Optional[dict] = None, policy_options: Optional[dict] = None, loaded=None,
+          out: Optional[Path] = None) -> Session:
+    """Validate flags, load model (unless ``loaded=(model, tokenizer)``) and traces, open (or resume) the
+    results file (``out``, else ``--out``, else ``data/results/<probe>/<config>.jsonl``)."""
     if args.paper:
         for k, v in PAPER.items():
             setattr(args, k, v)
@@ -92,7 +95,7 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
         texts = load_traces(traces)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
-    model, tok = randattn.load_model(args.model, device=args.device)
+    model, tok = loaded or randattn.load_model(args.model, device=args.device)
     try:
         builder = InstanceBuilder(tok, texts, budget=args.budget, buffer=args.buffer, distance=args.distance,
                                   box_width=args.box_width, n_facts=n_facts, seed=args.seed)
@@ -116,7 +119,7 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
         "protect_prompt": args.protect_prompt, "seed": args.seed, "batch": args.batch, "n_facts": n_facts,
         "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "revision": git_revision(),
     }
-    out = Path(args.out) if args.out else Path("data/results") / probe / f"{_slug(config)}.jsonl"
+    out = out or (Path(args.out) if args.out else Path("data/results") / probe / f"{_slug(config)}.jsonl")
     try:
         results = ResultsFile(out, config, ("instance", "condition", "fact"), restart=args.restart)
     except ValueError as exc:
@@ -293,3 +296,16 @@ def print_table(summaries: dict[str, ConditionSummary], labels: Optional[dict] =
     for name, s in summaries.items():
         rec = f"{s.recall:.3f}" if s.recall is not None else "-"
         print(f"{labels.get(name, name):<{width}}  {s.n:>4}  {s.retrieval:.3f}  {rec:<24}  {s.mean_lp:8.2f}")
+
+
+def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:
+    """A tidy CSV of summary rows (columns: the union of the rows' keys, in first-seen order)."""
+    import csv
+
+    path = Path(path)
+    keys = list(dict.fromkeys(k for r in table for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(table)
+    return path

@@ -1,0 +1,37 @@
+"""Scattered vs intact copies of the planted fact (mass-matched: two heads' worth of slots)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from . import style
+
+
+def plot(results: "str | Path", out_dir=None, name: str = "scatter") -> list[Path]:
+    from probes.planted_run import summarize
+    from probes.scatter import compare, rotating_pairs
+
+    rows = style.load_rows(results, "scatter")
+    config = rows[0]["config"]
+    n_heads = config["kv_heads"]
+    pairs = [f"intact h{a}+{b}" for a, b in rotating_pairs(n_heads)]
+    summ = summarize(rows, pairs + ["scattered"], seed=config["seed"])
+    c = compare(rows, n_heads, config["seed"])
+    style.apply()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [p.replace("intact ", "") for p in pairs] + ["intact\n(mean)", "scattered"]
+    for ax, metric, ylabel in ((axes[0], "retrieval", "Retrieval"), (axes[1], "recall", "Recall R")):
+        ests = [getattr(summ[p], metric) for p in pairs] + [c[f"{metric}_intact"], c[f"{metric}_scattered"]]
+        colors = [style.PALETTE[0]] * len(pairs) + [style.PALETTE[0], style.PALETTE[1]]
+        for x, (est, color) in enumerate(zip(ests, colors)):
+            ax.bar(x, est.value, color=color, alpha=0.35 if x < len(pairs) else 0.8)
+            style.errorbar(ax, x, est, color="black", ms=0)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("fact box kept in (per token: rotating pair for 'scattered')")
+    fig.suptitle(f"Scattered vs intact copies: {style.geometry(config)}; n={c['n']}, 95% bootstrap CIs\n"
+                 f"R difference scattered - intact = {c['recall_diff']:.3f}", fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)

@@ -1,0 +1,89 @@
+"""The planted-fact probes end to end on a tiny model with the real tokenizer: results, resume, figures,
+and clear errors for bad flags."""
+
+import json
+
+import pytest
+
+from randattn.testing import tiny_model
+
+SMALL = ["--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2", "--parity", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, embedded):
+    """A tiny 3-KV-head Llama saved with SmolLM2's tokenizer, loadable by path like any HF model."""
+    tok = embedded[1]
+    d = tmp_path_factory.mktemp("tiny3")
+    model = tiny_model("llama", vocab_size=len(tok), num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                       num_hidden_layers=2, head_dim=16)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_head_pooling_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
+    from probes import head_pooling
+
+    out = tmp_path / "hp.jsonl"
+    args = ["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), *SMALL]
+    assert head_pooling.main(args + ["--instances", "2"]) == 0
+    first = _rows(out)
+    assert len(first) == 2 * 9  # 8 head subsets + the fact left to the policy
+    assert {r["condition"] for r in first} >= {"deleted", "all", "h0", "h1+2", "policy"}
+    assert all(r["config"]["budget"] == 64 and r["rounds_after_fact"] >= 6 for r in first)
+    text = capsys.readouterr().out
+    assert "replay parity" in text and "audit" in text and "endpoints" in text
+    assert (tmp_path / "head_pooling.png").exists() and (tmp_path / "head_pooling.pdf").exists()
+    assert head_pooling.main(args + ["--instances", "3"]) == 0  # resume: only instance 2 is new
+    rows = _rows(out)
+    assert rows[: len(first)] == first and len(rows) == 3 * 9
+    assert len({(r["instance"], r["condition"]) for r in rows}) == len(rows)
+    with pytest.raises(SystemExit):
+        head_pooling.main(args[:-len(SMALL)] + ["--budget", "80", "--buffer", "12", "--distance", "90"])
+    assert "--restart" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("probe,n_conds", [("scatter", 6), ("two_facts", 14)])
+def test_scatter_and_two_facts_run(tiny_dir, tmp_path, probe, n_conds):
+    import importlib
+
+    mod = importlib.import_module(f"probes.{probe}")
+    out = tmp_path / f"{probe}.jsonl"
+    assert mod.main(["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), "--instances", "2",
+                     *SMALL]) == 0
+    rows = _rows(out)
+    facts = 2 if probe == "two_facts" else 1
+    assert len(rows) == 2 * n_conds * facts
+    assert (tmp_path / f"{probe}.png").exists()
+    assert out.with_suffix(".summary.csv").exists()
+
+
+def test_blocks_runs_both_parts(tiny_dir, tmp_path):
+    from probes import blocks
+
+    assert blocks.main(["--model", tiny_dir, "--out", str(tmp_path), "--figure-dir", str(tmp_path), "--instances", "2",
+                        "--blocks", "1", "32", "--sequences", "2", "--length", "160", *SMALL]) == 0
+    nll = _rows(next(tmp_path.glob("nll-*.jsonl")))
+    assert {r["block"] for r in nll} == {0, 1, 32} and len(nll) == 6
+    assert all(r["rounds"] > 0 for r in nll if r["block"]) and all(r["rounds"] == 0 for r in nll if not r["block"])
+    assert len(_rows(tmp_path / "planted-block32.jsonl")) == 2 * 3
+    assert (tmp_path / "blocks.png").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--policy", "nope"], "--policy"),
+    (["--box-width", "16"], "--box-width"),
+    (["--traces", "/nonexistent.jsonl"], "probes.traces"),
+    (["--instances", "0"], "positive integer"),
+])
+def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
+    from probes import head_pooling
+
+    with pytest.raises(SystemExit):
+        head_pooling.main(["--model", tiny_dir, "--out", str(tmp_path / "x.jsonl"), *SMALL, *flags])
+    assert message in capsys.readouterr().err
