@@ -37,6 +37,7 @@ __all__ = ["Fact", "Instance", "InstanceBuilder", "Condition", "run_batch", "aud
 
 CONSONANTS = "bcdfghjklmnpqrstvwxz"
 INSTRUCTION = "Read the worked solutions below. Some lines define variables; remember their values."
+FACT = " Let {name} = {value}."
 QUERY = "\nRecall: {name} ="
 
 
@@ -78,18 +79,24 @@ class InstanceBuilder:
         n_facts: facts per instance; fact ``i+1``'s box follows fact ``i``'s, and its query follows
             fact ``i``'s answer, so every answer sits exactly ``distance`` after its own box.
         seed: instance ``i`` depends only on ``(seed, i)``.
+        fact, query, instruction: the texts (``{name}`` and ``{value}`` are filled in per fact); the
+            query must end right before the value, which must appear once in ``fact``.
+        deletable: conditions will force-evict whole boxes, so a box must fit in one round's drop
+            (``box_width <= buffer``); False when the boxes are only ever left to the policy.
     """
 
     def __init__(self, tokenizer, texts: Sequence[str], *, budget: int, buffer: int, distance: int,
-                 box_width: int = 12, n_facts: int = 1, seed: int = 0):
+                 box_width: int = 12, n_facts: int = 1, seed: int = 0, fact: str = FACT, query: str = QUERY,
+                 instruction: str = INSTRUCTION, deletable: bool = True):
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("the planted-fact probe needs a fast tokenizer (offset mapping) to find the value tokens")
-        if box_width > buffer:
+        if deletable and box_width > buffer:
             raise ValueError(
                 f"--box-width {box_width} exceeds the buffer r={buffer}: one round can drop only r pairs, so a box "
                 f"that wide cannot be deleted at once; use --box-width <= {buffer} or a larger --buffer"
             )
         self.tok, self.budget, self.buffer = tokenizer, budget, buffer
+        self.fact_text, self.query_text, self.instruction = fact, query, instruction
         self.distance, self.box_width, self.n_facts, self.seed = distance, box_width, n_facts, seed
         self.newline = self._encode("\n")[-1]
         self.stream = np.asarray(self._join(texts), dtype=np.int64)
@@ -116,28 +123,28 @@ class InstanceBuilder:
         return np.asarray(starts)
 
     def _stub(self) -> list[int]:
-        msgs = [{"role": "user", "content": INSTRUCTION}]
+        msgs = [{"role": "user", "content": self.instruction}]
         if getattr(self.tok, "chat_template", None):
             ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
             return list(ids["input_ids"])
-        return self._encode(INSTRUCTION + "\n\n")  # a base model without a chat template
+        return self._encode(self.instruction + "\n\n")  # a base model without a chat template
 
     def _box(self, name: str, value: str) -> tuple[list[int], list[int], list[int]]:
         """(box tokens, value token ids, query tokens) for one fact."""
-        text = f" Let {name} = {value}."
+        text = self.fact_text.format(name=name, value=value)
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         v0 = text.index(value)
-        eq = text.index("=")
         span = [i for i, (a, b) in enumerate(offsets) if a < v0 + len(value) and b > v0]
-        eq_tok = max(i for i, (a, b) in enumerate(offsets) if a <= eq < b)
+        lead = max((i for i, (a, b) in enumerate(offsets) if b <= v0 and text[a:b].strip()), default=-1)
         if len(ids) > self.box_width:
             raise ValueError(
                 f"the fact sentence {text!r} takes {len(ids)} tokens but --box-width is {self.box_width}; "
                 f"raise --box-width (and --buffer if needed)"
             )
-        # Whitespace tokens between '=' and the digits belong to the query, so the answer is digits only.
-        query = self._encode(QUERY.format(name=name)) + ids[eq_tok + 1 : span[0]]
+        # Whitespace tokens between the last word before the value and the digits belong to the query,
+        # so the answer is the digits only.
+        query = self._encode(self.query_text.format(name=name)) + ids[lead + 1 : span[0]]
         box = ids + [self.newline] * (self.box_width - len(ids))
         return box, ids[span[0] : span[-1] + 1], query
 
@@ -309,7 +316,8 @@ def fact_metrics(result: randattn.ReplayResult, ids: torch.Tensor, fact: Fact) -
 def run_batch(model, instances: Sequence[Instance], conditions: Sequence[Condition], make_cache, *,
               audit: bool = False):
     """Replay a batch of same-layout instances under every condition; yields
-    ``(condition, ReplayResult, cache, rounds_before_box)`` as each finishes.
+    ``(condition, ReplayResult, cache, rounds)`` as each finishes, ``rounds`` being the eviction rounds
+    (layer 0, from the event counter) that ran between the start of the first box and the first answer.
 
     The text before the first box is replayed once and forked per condition; with ``audit`` the
     caches keep their keep-logs.
@@ -326,8 +334,10 @@ def run_batch(model, instances: Sequence[Instance], conditions: Sequence[Conditi
     for cond in conditions:
         branch = base.fork()
         cond.apply(branch.cache, first.facts, n_heads, n_layers)
+        branch.run(until=first.facts[0].answer_start)
+        rounds = branch.cache.events[0] - before
         branch.run()
-        yield cond, branch.result(), branch.cache, before
+        yield cond, branch.result(), branch.cache, rounds
 
 
 def audit_keep_log(cache: randattn.EvictingCache, cond: Condition, facts: Sequence[Fact], n_heads: int) -> int:

@@ -79,7 +79,7 @@ class Session:
 
 def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser, *, n_facts: int = 1,
           extra_config: Optional[dict] = None, policy_options: Optional[dict] = None, loaded=None,
-          out: Optional[Path] = None) -> Session:
+          out: Optional[Path] = None, builder_texts: Optional[dict] = None) -> Session:
     """Validate flags, load model (unless ``loaded=(model, tokenizer)``) and traces, open (or resume) the
     results file (``out``, else ``--out``, else ``data/results/<probe>/<config>.jsonl``)."""
     if args.paper:
@@ -98,7 +98,7 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
     model, tok = loaded or randattn.load_model(args.model, device=args.device)
     try:
         builder = InstanceBuilder(tok, texts, budget=args.budget, buffer=args.buffer, distance=args.distance,
-                                  box_width=args.box_width, n_facts=n_facts, seed=args.seed)
+                                  box_width=args.box_width, n_facts=n_facts, seed=args.seed, **(builder_texts or {}))
         randattn.EvictingCache(args.policy, budget=args.budget, buffer=args.buffer, **policy_options)
     except ValueError as exc:
         parser.error(str(exc))
@@ -167,7 +167,7 @@ def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optiona
         audit = not audited
         ids = torch.tensor([inst.ids for inst in instances])
         make = lambda keep_log: s.make_cache(bi, keep_log)  # noqa: E731
-        for cond, result, cache, before in run_batch(s.model, instances, missing, make, audit=audit):
+        for cond, result, cache, rounds in run_batch(s.model, instances, missing, make, audit=audit):
             if audit:
                 checked = audit_keep_log(cache, cond, instances[0].facts, s.n_heads)
                 if checked:
@@ -182,7 +182,7 @@ def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optiona
                         "instance": inst.index, "condition": cond.name, "fact": f, "name": fact.name,
                         "value": fact.value, "lp": float(lp[j]), "retrieved": bool(ok[j]),
                         "answer_tokens": fact.answer_end - fact.answer_start,
-                        "rounds": cache.events[0], "rounds_after_fact": cache.events[0] - before,
+                        "rounds": cache.events[0], "rounds_after_fact": rounds,
                         **cond.meta,
                     })
             s.results.append(rows)

@@ -92,9 +92,10 @@ def test_keep_masks_hold_each_fact_in_exactly_the_requested_heads(small):
     instances = [builder.build(i) for i in range(3)]
     conds = _conditions(builder.box_width)
     checked = {}
-    for cond, result, cache, before in run_batch(model, instances, conds, _make_cache, audit=True):
+    for cond, result, cache, rounds in run_batch(model, instances, conds, _make_cache, audit=True):
         checked[cond.name] = audit_keep_log(cache, cond, instances[0].facts, 3)
-        assert cache.events[0] - before >= (builder.distance - builder.box_width) // builder.buffer
+        # the box ends where a round fires, then one round every r tokens until the answer
+        assert rounds == 1 + (builder.distance - builder.box_width - 1) // builder.buffer
         assert not torch.isnan(result.logprobs[:, instances[0].facts[0].answer_start :]).any()
     assert all(n > 0 for name, n in checked.items() if name != "policy"), checked
     assert checked["policy"] == 0

@@ -87,3 +87,18 @@ def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit):
         head_pooling.main(["--model", tiny_dir, "--out", str(tmp_path / "x.jsonl"), *SMALL, *flags])
     assert message in capsys.readouterr().err
+
+
+def test_passcode_counts_the_rounds_from_the_event_counter(tiny_dir, tmp_path, capsys):
+    from probes import passcode
+
+    assert passcode.main(["--model", tiny_dir, "--out", str(tmp_path), "--figure-dir", str(tmp_path), "--instances",
+                          "2", "--batch", "2", "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
+                          "--policies", "random", "recency", "h2o"]) == 0
+    for policy in ("random", "recency", "h2o"):
+        rows = _rows(tmp_path / f"{policy}.jsonl")
+        assert len(rows) == 2 and all(r["rounds_after_fact"] == 5 for r in rows)
+        assert all(r["config"]["protect_prompt"] for r in rows)
+    out = capsys.readouterr().out
+    assert "asked after 5 rounds" in out
+    assert (tmp_path / "passcode.png").exists()
