@@ -37,8 +37,8 @@ def plot(results: "str | Path", out_dir=None, name: str = "head_pooling") -> lis
         if "policy" in summ and getattr(summ["policy"], metric) is not None:
             est = getattr(summ["policy"], metric)
             ax.axhline(est.value, ls="--", color="gray", lw=1)
-            ax.text(0.02, est.value, f" fact left to {config['policy']} eviction", color="gray", fontsize=8,
-                    va="bottom", transform=ax.get_yaxis_transform())
+            ax.text(0.98, est.value, f"fact left to {config['policy']} eviction ", color="gray", fontsize=8,
+                    va="bottom", ha="right", transform=ax.get_yaxis_transform())
         ax.set_xticks(range(n_heads + 1))
         ax.set_xlabel("KV heads holding the fact (same heads in every layer)")
         ax.set_ylabel(label)

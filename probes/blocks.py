@@ -45,44 +45,45 @@ def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
     return [builder.stub + builder.stream[s : s + need].tolist() for s in (int(rng.choice(starts)) for _ in range(n))]
 
 
-def run_nll(s, blocks: list[int], n: int, length: int, out: Path) -> list[dict]:
-    """Mean next-token NLL per sequence under full attention (block 0) and each block size; resumable."""
+def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-token loss") -> list[dict]:
+    """Mean next-token NLL per sequence under each arm (``{label: make_cache(batch_index)}``); resumable.
+
+    Scored from position K + r on, the first token whose context a round has touched."""
     a = s.args
-    config = {**{k: v for k, v in s.results.config.items() if k not in ("policy_options", "distance", "box_width")},
+    config = {**{k: v for k, v in s.results.config.items() if k not in ("policy", "policy_options", "distance",
+                                                                          "box_width", "n_facts")},
               "part": "nll", "length": length}
-    rf = ResultsFile(out, config, ("sequence", "block"), restart=a.restart)
+    rf = ResultsFile(out, config, ("sequence", "arm"), restart=a.restart)
     seqs = nll_sequences(s.builder, n, length, a.seed)
-    score_from = a.budget + a.buffer  # the first token whose context a round has touched
-    todo = [(b, bi) for b in [0, *blocks] for bi in range(0, n, a.batch)
-            if any((i, b) not in rf.done for i in range(bi, min(n, bi + a.batch)))]
-    bar = tqdm(total=len(todo), desc="blocks: next-token loss", unit="batch")
-    for b, bi in todo:
+    score_from = a.budget + a.buffer
+    todo = [(arm, bi) for arm in arms for bi in range(0, n, a.batch)
+            if any((i, arm) not in rf.done for i in range(bi, min(n, bi + a.batch)))]
+    for arm, bi in tqdm(todo, desc=desc, unit="batch"):
         idx = list(range(bi, min(n, bi + a.batch)))
         ids = torch.tensor([seqs[i] for i in idx], device=s.model.device)
-        if b == 0:  # full attention: a budget no round ever reaches
-            cache = randattn.EvictingCache("random", budget=length + 1, buffer=1, protect_prompt=False)
-        else:
-            cache = randattn.EvictingCache("random-block", block=b, budget=a.budget, buffer=a.buffer,
-                                           protect_prompt=a.protect_prompt, seed=a.seed * 1_000_003 + bi)
+        cache = arms[arm](bi)
         res = randattn.replay(s.model, ids, cache, prompt_len=len(s.builder.stub), score_from=score_from, max_chunk=64)
         nll = -res.logprobs[:, score_from:].double().mean(-1).numpy()
-        rf.append([{"sequence": i, "block": b, "nll": float(nll[j]), "tokens": length - score_from,
+        rf.append([{"sequence": i, "arm": arm, "nll": float(nll[j]), "tokens": length - score_from,
                     "rounds": cache.events[0]} for j, i in enumerate(idx)])
-        bar.update(1)
-    bar.close()
     return rf.rows
 
 
-def nll_deltas(rows: list[dict], blocks: list[int], seed: int = 0) -> dict:
-    """``{block: Estimate of mean (NLL_block - NLL_full)}`` paired by sequence."""
+def full_attention(length: int):
+    """A cache no round ever reaches: full attention through the same code path."""
+    return lambda bi: randattn.EvictingCache("random", budget=length + 1, buffer=1, protect_prompt=False)
+
+
+def nll_deltas(rows: list[dict], arms: list[str], reference: str = "full", seed: int = 0) -> dict:
+    """``{arm: Estimate of mean (NLL_arm - NLL_reference)}`` paired by sequence."""
     by = {}
     for r in rows:
-        by.setdefault(r["block"], {})[r["sequence"]] = r["nll"]
+        by.setdefault(r["arm"], {})[r["sequence"]] = r["nll"]
     out = {}
-    for b in blocks:
-        common = sorted(set(by.get(b, {})) & set(by.get(0, {})))
+    for arm in arms:
+        common = sorted(set(by.get(arm, {})) & set(by.get(reference, {})))
         if common:
-            out[b] = mean_ci([by[b][i] - by[0][i] for i in common], seed=seed)
+            out[arm] = mean_ci([by[arm][i] - by[reference][i] for i in common], seed=seed)
     return out
 
 
@@ -118,9 +119,15 @@ def main(argv=None) -> int:
     if not args.skip_nll:
         model = Path(str(s.results.config["model"])).name
         out = base_dir / f"nll-{model}-K{args.budget}-r{args.buffer}-L{args.length}-s{args.seed}.jsonl"
-        rows = run_nll(s, args.blocks, args.sequences, args.length, out)
-        deltas = nll_deltas(rows, args.blocks, args.seed)
-        full = np.mean([r["nll"] for r in rows if r["block"] == 0])
+        a = args
+        arms = {"full": full_attention(args.length)}
+        for b in args.blocks:
+            arms[f"block{b}"] = (lambda b: lambda bi: randattn.EvictingCache(
+                "random-block", block=b, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
+                seed=a.seed * 1_000_003 + bi))(b)
+        rows = run_nll(s, arms, args.sequences, args.length, out, desc="blocks: next-token loss")
+        deltas = {int(k[5:]): v for k, v in nll_deltas(rows, list(arms)[1:], seed=args.seed).items()}
+        full = np.mean([r["nll"] for r in rows if r["arm"] == "full"])
         print(f"\nnext-token loss over {args.sequences} trace sequences of {args.length} tokens (scored from position "
               f"{args.budget + args.buffer}); full attention {full:.3f} nats/token")
     print(f"\n{'block':>6} {'blocks/head':>11}  {'dNLL vs full [95% CI]':<28} {'R of a fact left to it':<24} "

@@ -59,13 +59,34 @@ def compare(rows_by_policy: dict, reference: str = "random", seed: int = 0) -> l
     return table
 
 
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0], instances=16)
-    p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared (all evict the passcode too)")
+def run_policies(args, parser, policies, base_dir: Path, loaded=None) -> dict:
+    """Run the passcode instances under each policy (resuming finished rows); ``{policy: rows}``."""
+    args.distance = passcode_distance(args.rounds, args.buffer, args.box_width)
+    rows_by_policy = {}
+    for policy in policies:
+        sub = argparse.Namespace(**{**vars(args), "policy": policy, "out": None})
+        s = setup("passcode", sub, parser, loaded=loaded, extra_config={"rounds": args.rounds},
+                  out=base_dir / f"{policy}.jsonl" if args.out else None,
+                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False})
+        if loaded is None:
+            print(describe(s).replace(f"distance {args.distance}", f"{args.rounds} rounds"))
+        loaded = (s.model, s.tok)
+        rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")
+    return rows_by_policy
+
+
+def passcode_parser(description: str):
+    p = planted_parser(description, instances=16)
     p.add_argument("--rounds", type=positive_int, default=57, help="eviction rounds between statement and answer")
     p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
                    help="let the stub prompt be evicted too (default: protected, like the paper's methods)")
     p.set_defaults(protect_prompt=True, box_width=20)
+    return p
+
+
+def main(argv=None) -> int:
+    p = passcode_parser(__doc__.splitlines()[0])
+    p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared (all evict the passcode too)")
     args = p.parse_args(argv)
     if args.paper:
         args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
@@ -73,18 +94,8 @@ def main(argv=None) -> int:
     unknown = [x for x in args.policies if x not in randattn.known_policies()]
     if unknown:
         p.error(f"--policies {unknown} unknown; choose from {', '.join(randattn.known_policies())}")
-    args.distance = passcode_distance(args.rounds, args.buffer, args.box_width)
     base_dir = Path(args.out) if args.out else Path("data/results/passcode")
-    loaded, rows_by_policy = None, {}
-    for policy in args.policies:
-        sub = argparse.Namespace(**{**vars(args), "policy": policy, "out": None})
-        s = setup("passcode", sub, p, loaded=loaded, extra_config={"rounds": args.rounds},
-                  out=base_dir / f"{policy}.jsonl" if args.out else None,
-                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False})
-        if loaded is None:
-            print(describe(s).replace(f"distance {args.distance}", f"{args.rounds} rounds"))
-        loaded = (s.model, s.tok)
-        rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")
+    rows_by_policy = run_policies(args, p, args.policies, base_dir)
     table = compare(rows_by_policy, seed=args.seed)
     print(f"\npasscode stated once, asked after {args.rounds} rounds (K={args.budget}, r={args.buffer}, "
           f"prompt {'protected' if args.protect_prompt else 'unprotected'}); 95% bootstrap CIs")

@@ -69,8 +69,9 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     assert blocks.main(["--model", tiny_dir, "--out", str(tmp_path), "--figure-dir", str(tmp_path), "--instances", "2",
                         "--blocks", "1", "32", "--sequences", "2", "--length", "160", *SMALL]) == 0
     nll = _rows(next(tmp_path.glob("nll-*.jsonl")))
-    assert {r["block"] for r in nll} == {0, 1, 32} and len(nll) == 6
-    assert all(r["rounds"] > 0 for r in nll if r["block"]) and all(r["rounds"] == 0 for r in nll if not r["block"])
+    assert {r["arm"] for r in nll} == {"full", "block1", "block32"} and len(nll) == 6
+    assert all(r["rounds"] > 0 for r in nll if r["arm"] != "full")
+    assert all(r["rounds"] == 0 for r in nll if r["arm"] == "full")
     assert len(_rows(tmp_path / "planted-block32.jsonl")) == 2 * 3
     assert (tmp_path / "blocks.png").exists()
 
@@ -102,3 +103,32 @@ def test_passcode_counts_the_rounds_from_the_event_counter(tiny_dir, tmp_path, c
     out = capsys.readouterr().out
     assert "asked after 5 rounds" in out
     assert (tmp_path / "passcode.png").exists()
+
+
+def test_prompt_protection_pairs_every_policy_with_and_without_protection(tiny_dir, tmp_path):
+    from probes import prompt_protection
+
+    out = tmp_path / "pp.jsonl"
+    assert prompt_protection.main(["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path),
+                                   "--instances", "3", "--batch", "2", "--budget", "128", "--buffer", "8", "--body",
+                                   "120", "--policies", "random", "snapkv"]) == 0
+    rows = _rows(out)
+    assert len(rows) == 3 * 5  # full + 2 policies x {score only, protected}
+    assert all(r["rounds"] >= 10 for r in rows if r["policy"] != "full")
+    assert all(r["rounds"] == 0 for r in rows if r["policy"] == "full")
+    assert (tmp_path / "prompt_protection.png").exists()
+
+
+def test_shared_draw_runs_all_three_parts(tiny_dir, tmp_path, monkeypatch, capsys):
+    from probes import shared_draw
+
+    monkeypatch.chdir(tmp_path)  # the passcode part writes under data/results/passcode like probes.passcode
+    assert shared_draw.main(["--model", tiny_dir, "--out", str(tmp_path / "sd"), "--instances", "2",
+                             "--sequences", "2", "--length", "160", "--rounds", "4", "--passcode-instances", "2",
+                             "--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2",
+                             "--parity", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "shared - per-head" in out and "passcode stated once" in out
+    nll = _rows(next((tmp_path / "sd").glob("nll-*.jsonl")))
+    assert {r["arm"] for r in nll} == {"full", "random", "random-shared"}
+    assert len(list((tmp_path / "data/results/passcode").glob("*.jsonl"))) == 2

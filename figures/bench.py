@@ -1,0 +1,69 @@
+"""Benchmark figures: decode throughput and KV memory (full vs Random), per-round cost per policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+from . import style
+
+
+def _load(path: "str | Path", command: str) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no results; run `{command}` to produce them")
+    return json.loads(path.read_text())
+
+
+def plot_decode(results: "str | Path", out_dir=None, name: str = "bench_decode") -> list[Path]:
+    data = _load(results, "python -m bench.decode")
+    meta, rows = data["meta"], data["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    style.apply()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.38
+    for j, policy in enumerate(["full", "random"]):
+        sel = {r["batch"]: r for r in rows if r["policy"] == policy}
+        xs = [i + (j - 0.5) * width for i in range(len(batches))]
+        label = "full attention" if policy == "full" else f"Random (K={meta['budget']}, r={meta['buffer']})"
+        axes[0].bar(xs, [sel[b]["tokens_per_s"] for b in batches], width, label=label, color=style.PALETTE[j])
+        axes[1].bar(xs, [sel[b]["kv_bytes_end"] / 2**20 for b in batches], width, label=label, color=style.PALETTE[j])
+    for i, b in enumerate(batches):
+        full = next(r for r in rows if r["policy"] == "full" and r["batch"] == b)
+        rnd = next(r for r in rows if r["policy"] == "random" and r["batch"] == b)
+        axes[0].text(i + 0.5 * width, rnd["tokens_per_s"], f"{rnd['tokens_per_s'] / full['tokens_per_s']:.2f}x",
+                     ha="center", va="bottom", fontsize=8)
+    for ax, label in ((axes[0], "decode throughput (tokens/s)"), (axes[1], "KV cache at the end (MiB)")):
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Decoding {meta['new_tokens']} new tokens: {meta['model']} on {meta['device']} "
+                 f"({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}", fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)
+
+
+def plot_round_cost(results: "str | Path", out_dir=None, name: str = "bench_round_cost") -> list[Path]:
+    data = _load(results, "python -m bench.round_cost")
+    rows = data["rows"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    style.apply()
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        sel = sorted((r for r in rows if r["shape"] == shape), key=lambda r: r["ms"])
+        colors = [style.PALETTE[1] if r["policy"] == "random" else style.PALETTE[0] for r in sel]
+        ax.barh([r["policy"] for r in sel], [r["ms"] for r in sel], color=colors)
+        ax.axvline(sel[0]["copy_floor_ms"], ls="--", color="gray", lw=1, label="gather/copy floor")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("one eviction round, all heads of one layer (ms)")
+        ax.set_title(shape, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Per-round eviction cost on {data['meta']['device']} ({data['meta'].get('threads', '?')} threads)",
+                 fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)
