@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ._memory import release_free_memory
 from .keeplog import KeepLog
 from .policies import CacheView, Policy, make_policy
 
@@ -430,6 +431,8 @@ class EvictingCache(Cache):
         if self.keep_log is not None:
             self.keep_log.record(layer.layer_idx, layer.events, layer.seq_len, layer.positions)
         layer.events += 1
+        if layer.layer_idx == 0 and layer.events % 16 == 0:
+            release_free_memory()  # rounds churn same-sized buffers; keep the heap from fragmenting (see _memory)
         if timed_cuda:
             torch.cuda.synchronize(layer.keys.device)
         self.round_seconds += time.perf_counter() - t0

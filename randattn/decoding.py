@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from tqdm.auto import tqdm
 
+from ._memory import release_free_memory
 from .cache import EvictingCache
 from .models import cache_argument_name, install_guards
 
@@ -176,6 +177,7 @@ class Replay:
             self.forwards += 1
             bar.update(n)
         bar.close()
+        release_free_memory()
         return self
 
     def fork(self) -> "Replay":
