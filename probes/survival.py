@@ -1,0 +1,394 @@
+"""Survival of generated positions and keep-log metrics per policy, from keep-logs of real text.
+
+    python -m probes.survival                        # every policy, K=256, r=16, 24 rounds, 4 sequences
+    python -m probes.survival --policies random snapkv --modes protected
+    python -m probes.survival --paper                # K=1024, r=64 (the paper's geometry)
+
+Each sequence is a chat built from the trace corpus: the question of one trace is the prompt
+(protected in the ``protected`` mode), followed by the model's own solution and further
+question/solution turns of other traces, cut to ``K + rounds * r`` tokens so that exactly
+``rounds`` eviction rounds run per layer. Every policy replays the same sequences with a keep-log
+(teacher forcing has the rounds token-by-token decoding has). From the logs: per-head and
+union-over-heads survival of generated positions by age and by rounds survived, Random's curves
+against ``(K/(K+r))^n`` (``((K-lp)/(K+r-lp))^n`` with the prompt pinned) and ``1-(1-s)^H``, and the
+keep-log metrics of :mod:`randattn.keepstats`. ``--seed`` fixes both the eviction draws and which
+traces form the chats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import randattn
+from randattn import keepstats
+from randattn.keepstats import SurvivalCurve
+from randattn.traces import load_traces
+
+from .common import base_parser, positive_int
+from .results import REPO_ROOT, ResultsFile, git_revision
+
+DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
+PAPER = {"budget": 1024, "buffer": 64}
+MODES = {"protected": True, "score-only": False}  # mode -> protect_prompt
+# The paper's keep-log numbers (SPEC §4), shown beside ours; "" where the paper gives none.
+PAPER_NUMBERS = {
+    "random": {"slot_coverage": ".999-1.000", "prompt_union": ".994-.999", "prompt_head": ".994-.999"},
+    "snapkv": {"prompt_union": "lowest", "prompt_head": "lowest"},
+}
+ROUND_TABLE_N = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                   help="policies to run (default: all known: " + ", ".join(randattn.known_policies()) + ")")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="'protected': prompt pinned (the paper's '+ prompt protection'); 'score-only': the policy "
+                        "alone decides about the prompt too (the only mode where prompt survival can differ)")
+    p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--buffer", type=positive_int, default=16,
+                   help="r: new pairs between rounds (K=256, r=16 keeps the paper's per-round survival K/(K+r)=0.94)")
+    p.add_argument("--paper", action="store_true", help="the paper's geometry K=1024, r=64 (overrides --budget/--buffer)")
+    p.add_argument("--rounds", type=positive_int, default=24,
+                   help="eviction rounds per layer; each sequence is cut to K + rounds*r tokens")
+    p.add_argument("--sequences", type=positive_int, default=4, help="sequences (chats of real traces) per policy")
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences replayed together (same prompt length)")
+    p.add_argument("--traces", default=None,
+                   help="JSONL with 'question' and 'text' fields per row (default: "
+                        f"{DEFAULT_TRACES.relative_to(REPO_ROOT)}, the embedded model's own solutions)")
+    p.add_argument("--tri-stats", default=None,
+                   help="TriAttention statistics file for --model (python -m randattn.calibrate); the embedded "
+                        "model's ship with the package")
+    p.add_argument("--age-bin", type=positive_int, default=None, help="age bin width in tokens (default: r, one round)")
+    p.add_argument("--entropy-bins", type=positive_int, default=10, help="age bins of the coverage entropy")
+    p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
+    p.add_argument("--no-figure", action="store_true", help="do not draw the figure")
+    p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
+    return p
+
+
+# -- sequences -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Chat:
+    """One sequence: token ids, its prompt length (the first question, templated) and the traces used."""
+
+    index: int
+    ids: tuple
+    prompt_len: int
+    traces: tuple
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows with string ``question`` and ``text`` (``load_traces`` checks the text field first)."""
+    load_traces(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bad = [n for n, r in enumerate(rows, 1) if not isinstance(r.get("question"), str)]
+    if bad:
+        raise ValueError(f"--traces {path}: line {bad[0]} has no string 'question' field (the probe builds chats from "
+                         f"question/solution pairs)")
+    return rows
+
+
+def _render(tok, turns: Sequence[tuple[str, str]], question: Optional[str] = None) -> str:
+    """The chat text of (question, solution) turns, optionally followed by a question awaiting its answer."""
+    msgs = [m for q, t in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": t})]
+    if question is not None:
+        msgs.append({"role": "user", "content": question})
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=question is not None)
+    return "".join(f"{'Question' if m['role'] == 'user' else 'Answer'}: {m['content']}\n\n" for m in msgs)
+
+
+def build_chats(tok, rows: list[dict], n: int, length: int, seed: int, max_prompt: int) -> list[Chat]:
+    """``n`` chats of exactly ``length`` tokens. First questions come from the largest group of equal
+    prompt length (so sequences batch together), shorter than ``max_prompt``; the rest of each chat is
+    drawn from the other traces, none used twice, in an order fixed by ``seed``."""
+    order = [int(i) for i in np.random.default_rng(seed).permutation(len(rows))]
+    prompts = {i: tok(_render(tok, [], rows[i]["question"]), add_special_tokens=False)["input_ids"] for i in order}
+    groups: dict[int, list[int]] = {}
+    for i in order:
+        if len(prompts[i]) < max_prompt:
+            groups.setdefault(len(prompts[i]), []).append(i)
+    if not groups:
+        raise ValueError(f"no trace question fits a protected prompt in K (every prompt has >= {max_prompt} tokens); "
+                         f"raise --budget")
+    firsts = [i for _, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])) for i in g][:n]
+    taken = set(firsts)
+    pool = [i for i in order if i not in taken]
+    chats = []
+    for s, first in enumerate(firsts):
+        q = rows[first]["question"]
+        prompt_text = _render(tok, [], q)
+        turns, used = [(q, rows[first]["text"])], [first]
+        while True:
+            full = _render(tok, turns)
+            rest = tok(full[len(prompt_text):], add_special_tokens=False)["input_ids"]
+            ids = prompts[first] + rest
+            if len(ids) >= length:
+                break
+            if not pool:
+                raise ValueError(f"the traces run out: {n} sequences of {length} tokens need more text; use fewer "
+                                 f"--sequences or --rounds")
+            nxt = pool.pop(0)
+            turns.append((rows[nxt]["question"], rows[nxt]["text"]))
+            used.append(nxt)
+        if not full.startswith(prompt_text):
+            raise RuntimeError("the chat template does not render the first question as a prefix of the chat")
+        chats.append(Chat(s, tuple(ids[:length]), len(prompts[first]), tuple(used)))
+    return chats
+
+
+def batches(chats: Sequence[Chat], size: int) -> list[list[Chat]]:
+    """Chats grouped by prompt length (a replay has one prompt length), ``size`` at a time."""
+    by_len: dict[int, list[Chat]] = {}
+    for c in chats:
+        by_len.setdefault(c.prompt_len, []).append(c)
+    out = [g[i : i + size] for g in by_len.values() for i in range(0, len(g), size)]
+    return sorted(out, key=lambda b: b[0].index)
+
+
+# -- one run -------------------------------------------------------------------------------------
+def run_batch(model, chats: list[Chat], policy: str, mode: str, args, options: dict, seed: int) -> list[dict]:
+    """Replay one batch under one policy and mode with a keep-log; one result row per sequence."""
+    protected = MODES[mode]
+    prompt_len = chats[0].prompt_len
+    cache = randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, protect_prompt=protected,
+                                   seed=seed, keep_log=True, **options)
+    ids = torch.tensor([c.ids for c in chats], device=model.device)
+    t0 = time.perf_counter()
+    randattn.replay(model, ids, cache, prompt_len=prompt_len, score_from=ids.shape[1])
+    seconds = time.perf_counter() - t0
+    events = cache.events
+    q = keepstats.random_round_survival(args.budget, args.buffer, prompt_len, protected)
+    rows = []
+    for b, chat in enumerate(chats):
+        log = keepstats.select_rows(cache.keep_log, b)
+        rows.append({
+            "policy": policy, "mode": mode, "sequence": chat.index, "prompt_len": prompt_len, "length": len(chat.ids),
+            "traces": list(chat.traces), "rounds": events[0], "rounds_min": min(events), "rounds_max": max(events),
+            "q": q, "seconds": seconds / len(chats),
+            **keepstats.keep_metrics(log, prompt_len, n_bins=args.entropy_bins),
+            "by_rounds": keepstats.survival_curve(log, prompt_len, by="rounds").to_dict(),
+            # By age without the initial fill, so that age in tokens means rounds survived (see keepstats).
+            "by_age": keepstats.survival_curve(log, prompt_len, by="age", width=args.age_bin,
+                                               skip_initial=True).to_dict(),
+        })
+    return rows
+
+
+# -- pooling and tables --------------------------------------------------------------------------
+METRICS = ("slot_coverage", "prompt_union", "prompt_head", "jaccard", "entropy")
+
+
+@dataclass
+class Pooled:
+    """All sequences of one (policy, mode): metric means, merged curves, Random's analytic curves."""
+
+    policy: str
+    mode: str
+    n: int
+    rounds: list
+    metrics: dict
+    by_rounds: SurvivalCurve
+    by_age: SurvivalCurve
+    analytic_rounds: tuple  # (per head, union) expected under Random for these observations
+    analytic_age: tuple
+
+
+def _pool_curves(rows: list[dict], key: str) -> tuple[SurvivalCurve, tuple]:
+    curves = [SurvivalCurve.from_dict(r[key]) for r in rows]
+    merged = curves[0]
+    for c in curves[1:]:
+        merged = merged.merge(c)
+    # Rows may differ in q (prompt length), so the analytic curve is pooled from per-row sums.
+    head, union = np.zeros(len(merged.total)), np.zeros(len(merged.total))
+    for c, r in zip(curves, rows):
+        h, u = c.analytic_sums(r["q"])
+        head[: len(h)] += h
+        union[: len(u)] += u
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return merged, (head / merged.total, union / merged.total)
+
+
+def pool(rows: Sequence[dict]) -> dict[tuple[str, str], Pooled]:
+    """Rows grouped by (policy, mode) in first-seen order."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["mode"]), []).append(r)
+    out = {}
+    for (policy, mode), g in groups.items():
+        by_rounds, an_rounds = _pool_curves(g, "by_rounds")
+        by_age, an_age = _pool_curves(g, "by_age")
+        metrics = {m: float(np.nanmean([r[m] for r in g])) if any(r[m] == r[m] for r in g) else float("nan")
+                   for m in METRICS}
+        out[(policy, mode)] = Pooled(policy, mode, len(g), sorted({r["rounds"] for r in g}), metrics, by_rounds,
+                                     by_age, an_rounds, an_age)
+    return out
+
+
+def mean_deficit(curve: SurvivalCurve) -> float:
+    """Independent-heads union minus measured union, averaged over observations (rounds bins)."""
+    ok = curve.total > 0
+    return float(np.sum(curve.deficit[ok] * curve.total[ok]) / np.sum(curve.total[ok]))
+
+
+def _fmt(v: float, width: int = 7) -> str:
+    return f"{'-':>{width}}" if v != v else f"{v:{width}.3f}"
+
+
+def metrics_table(pooled: dict[tuple[str, str], Pooled], n_mid: int) -> list[str]:
+    """Keep-log metrics per policy and mode, with the paper's numbers beside them."""
+    head = (f"{'policy':<14} {'mode':<10} {'seqs':>4} {'rounds':>6}  {'slot cov':>8} {'prompt U':>8} {'prompt/h':>8} "
+            f"{'Jaccard':>7} {'entropy':>7} {f's_h(n={n_mid})':>9} {f's_U(n={n_mid})':>9} {'deficit':>7}  paper")
+    lines = [head, "-" * len(head)]
+    for (policy, mode), p in pooled.items():
+        m = p.metrics
+        i = n_mid - 1
+        sh = p.by_rounds.head[i] if i < len(p.by_rounds.total) else float("nan")
+        su = p.by_rounds.union[i] if i < len(p.by_rounds.total) else float("nan")
+        paper = PAPER_NUMBERS.get(policy, {})
+        paper_text = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in paper.items())
+        rounds = "/".join(str(r) for r in p.rounds)
+        lines.append(f"{policy:<14} {mode:<10} {p.n:>4} {rounds:>6}  {_fmt(m['slot_coverage'], 8)} "
+                     f"{_fmt(m['prompt_union'], 8)} {_fmt(m['prompt_head'], 8)} {_fmt(m['jaccard'])} "
+                     f"{_fmt(m['entropy'])} {_fmt(sh, 9)} {_fmt(su, 9)} {mean_deficit(p.by_rounds):7.3f}  {paper_text}")
+    return lines
+
+
+def random_table(p: Pooled, n_heads: int) -> list[str]:
+    """Random's measured per-head and union survival by rounds survived against the analytic curves."""
+    c = p.by_rounds
+    a_head, a_union = p.analytic_rounds
+    se = c.head_se()
+    lines = [f"Random ({p.mode}): survival of generated positions after n rounds, measured vs analytic "
+             f"(H_kv={n_heads}; deficit = independent-heads union from the measured per-head survival minus "
+             f"the measured union)",
+             f"{'n':>3} {'obs':>7}  {'per head':>8} {'±SE':>6} {'analytic':>8} {'diff/SE':>7}  {'union':>6} "
+             f"{'1-(1-s)^H':>9} {'indep.':>6} {'deficit':>7}"]
+    for n in sorted({*ROUND_TABLE_N, len(c.total)}):
+        i = n - 1
+        if i >= len(c.total) or c.total[i] == 0:
+            continue
+        z = (c.head[i] - a_head[i]) / se[i] if se[i] > 0 else float("nan")
+        lines.append(f"{n:>3} {c.total[i] * n_heads:>7}  {c.head[i]:8.4f} {se[i]:6.4f} {a_head[i]:8.4f} {z:7.2f}  "
+                     f"{c.union[i]:6.4f} {a_union[i]:9.4f} {c.independent_union[i]:6.4f} {c.deficit[i]:7.4f}")
+    return lines
+
+
+# -- main ----------------------------------------------------------------------------------------
+def _policy_options(policy: str, args, parser: argparse.ArgumentParser) -> dict:
+    if policy != "triattention":
+        return {}
+    if args.tri_stats:
+        return {"stats": args.tri_stats}
+    if args.model is None:
+        return {"stats": randattn.DEFAULT_MODEL}  # the embedded model's statistics ship with the package
+    parser.error("--policies includes triattention, which needs statistics of --model: pass --tri-stats FILE "
+                 "(make it with `python -m randattn.calibrate --model M --out FILE`) or leave triattention out")
+    return {}
+
+
+def _slug(config: dict) -> str:
+    model = Path(str(config["model"])).name.replace("/", "_")
+    return (f"{model}-K{config['budget']}-r{config['buffer']}-n{config['rounds']}-seq{config['sequences']}"
+            f"-b{config['batch']}-s{config['seed']}")
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.paper:
+        args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
+    args.age_bin = args.age_bin or args.buffer
+    policies = args.policies or randattn.known_policies()
+    unknown = [x for x in policies if x not in randattn.known_policies()]
+    if unknown:
+        p.error(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(randattn.known_policies())}")
+    modes = list(dict.fromkeys(args.modes))
+    options = {pol: _policy_options(pol, args, p) for pol in policies}
+    traces = Path(args.traces) if args.traces else DEFAULT_TRACES
+    try:
+        rows = read_rows(traces)
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
+    model, tok = randattn.load_model(args.model, device=args.device)
+    n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    length = args.budget + args.rounds * args.buffer
+    # A protected prompt needs a free slot; score-only prompts just have to leave room for generated text.
+    max_prompt = args.budget if "protected" in modes else args.budget + args.buffer
+    try:
+        chats = build_chats(tok, rows, args.sequences, length, args.seed, max_prompt)
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        trace_label = str(traces.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        trace_label = str(traces)
+    config = {"probe": "survival", "model": args.model or randattn.DEFAULT_MODEL, "traces": trace_label,
+              "budget": args.budget, "buffer": args.buffer, "rounds": args.rounds, "length": length,
+              "sequences": args.sequences, "batch": args.batch, "seed": args.seed, "age_bin": args.age_bin,
+              "entropy_bins": args.entropy_bins, "kv_heads": n_heads, "layers": n_layers, "revision": git_revision()}
+    out = Path(args.out) if args.out else REPO_ROOT / "data" / "results" / "survival" / f"{_slug(config)}.jsonl"
+    try:
+        results = ResultsFile(out, config, ("policy", "mode", "sequence"), restart=args.restart)
+    except ValueError as exc:
+        p.error(str(exc))
+
+    groups = batches(chats, args.batch)
+    lps = sorted({c.prompt_len for c in chats})
+    qs = {m: [round(keepstats.random_round_survival(args.budget, args.buffer, lp, MODES[m]), 4) for lp in lps]
+          for m in modes}
+    print(f"model {config['model']} ({n_layers} layers, {n_heads} KV heads) | K={args.budget} r={args.buffer} | "
+          f"{len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), {args.rounds} rounds "
+          f"per layer | Random per-round survival: "
+          + "; ".join(f"{m} {'/'.join(map(str, v))}" for m, v in qs.items()))
+    jobs = [(pol, mode, bi, batch) for pol in policies for mode in modes for bi, batch in enumerate(groups)]
+    todo = [j for j in jobs if any((j[0], j[1], c.index) not in results.done for c in j[3])]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="survival", unit="run")
+    t0 = time.perf_counter()
+    for pol, mode, bi, batch in todo:
+        bar.set_postfix_str(f"{pol}/{mode}")
+        new = run_batch(model, batch, pol, mode, args, options[pol], seed=args.seed * 1_000_003 + bi)
+        if new[0]["rounds_min"] != args.rounds or new[0]["rounds_max"] != args.rounds:
+            tqdm.write(f"note: {pol}/{mode} ran {new[0]['rounds_min']}-{new[0]['rounds_max']} rounds per layer, "
+                       f"not {args.rounds} (a prompt longer than K + r is cut at its prefill)")
+        results.append([r for r in new if (pol, mode, r["sequence"]) not in results.done])
+        bar.update(1)
+    bar.close()
+    wanted = {(pol, mode) for pol in policies for mode in modes}
+    mine = [r for r in results.rows if (r["policy"], r["mode"]) in wanted]
+    pooled = pool(mine)
+    n_mid = max(1, args.rounds // 2)
+    print(f"\nkeep-log metrics ({len(chats)} sequences; time {time.perf_counter() - t0:.0f}s this run). slot cov = "
+          "share of generated positions some head kept at some round; prompt U / prompt/h = prompt kept at the "
+          "last round by >= 1 head / per head; Jaccard = overlap of heads' generated keep-sets; entropy = spread "
+          f"of kept slots over {args.entropy_bins} age bins (1 = even); s_h, s_U = per-head / union survival after "
+          f"n rounds; deficit = independent-heads union minus measured union (mean over n)")
+    for line in metrics_table(pooled, n_mid):
+        print(line)
+    for mode in modes:
+        if ("random", mode) in pooled:
+            print()
+            for line in random_table(pooled[("random", mode)], n_heads):
+                print(line)
+    print(f"\nrows: {results.path}")
+    if not args.no_figure:
+        from figures.survival import plot
+
+        for path in plot(results.path, args.figure_dir, policies=policies, modes=modes):
+            print(f"figure: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
