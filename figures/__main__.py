@@ -26,6 +26,11 @@ FIGURES = {
     "blocks": ("figures.blocks:plot", R / "blocks/summary-smollm2-135m-K256-r16-d384-s0.csv", "python -m probes.blocks"),
     "passcode": ("figures.passcode:plot", R / "passcode/summary-smollm2-135m-K256-r16-n57-s0.csv",
                  "python -m probes.passcode"),
+    "survival": ("figures.survival:plot", R / "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl",
+                 "python -m probes.survival"),
+    "prompt_protection": ("figures.prompt_protection:plot",
+                          R / "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv",
+                          "python -m probes.prompt_protection"),
     "bench_decode": ("figures.bench:plot_decode", R / "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", R / "bench/round_cost.json", "python -m bench.round_cost"),
 }
@@ -35,7 +40,7 @@ def draw(name: str, results=None, out_dir=None) -> list[Path]:
     target, default, _ = FIGURES[name]
     module, func = target.split(":")
     plot = getattr(importlib.import_module(module), func)
-    return plot(Path(results) if results else default, out_dir, name)
+    return plot(Path(results) if results else default, out_dir, name=name)
 
 
 def main(argv=None) -> int:

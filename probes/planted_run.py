@@ -160,6 +160,11 @@ def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optiona
         if missing:
             todo.append((bi, idx, missing))
     done_before = sum(len(conditions) for _ in range(n_batches)) - sum(len(m) for _, _, m in todo)
+    if done_before:
+        tqdm.write(f"{s.results.path}: {done_before} of {n_batches * len(conditions)} batch x condition results "
+                   f"already there (an earlier run, or the results shipped with the repo); "
+                   + ("computing the rest" if todo else "nothing to compute, printing them")
+                   + "; --restart recomputes everything")
     bar = tqdm(total=n_batches * len(conditions), initial=done_before, desc=desc or s.probe, unit="cond")
     audited = False
     for bi, idx, missing in todo:
