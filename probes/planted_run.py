@@ -159,7 +159,7 @@ def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optiona
                                                 for i in idx for f in range(s.builder.n_facts))]
         if missing:
             todo.append((bi, idx, missing))
-    done_before = sum(len(conditions) for _ in range(n_batches)) - sum(len(m) for _, _, m in todo)
+    done_before = n_batches * len(conditions) - sum(len(m) for _, _, m in todo)
     if done_before:
         tqdm.write(f"{s.results.path}: {done_before} of {n_batches * len(conditions)} batch x condition results "
                    f"already there (an earlier run, or the results shipped with the repo); "

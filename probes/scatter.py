@@ -4,8 +4,9 @@
 
 Two mass-matched ways of keeping the fact box in two KV heads' worth of slots:
 
-* scattered: box token ``t`` is kept in the rotating pair of heads ``(t mod H, t+1 mod H)``, so no
-  head holds the whole sentence;
+* scattered: box token ``t`` is kept in the rotating pair of heads ``(t+p mod H, t+p+1 mod H)``, so
+  no head holds the whole sentence; run for every phase ``p`` (so every token misses every head
+  once) and averaged per instance;
 * intact: the whole box in one pair of heads ``(h, h+1 mod H)``, for each of those same pairs,
   averaged per instance.
 
@@ -33,25 +34,28 @@ def rotating_pairs(n_heads: int) -> list[tuple[int, int]]:
 def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
     if n_heads < 3:
         raise ValueError(f"scattering over rotating pairs needs >= 3 KV heads; this model has {n_heads}")
-    spread = tuple(frozenset({t % n_heads, (t + 1) % n_heads}) for t in range(width))
     conds = [Condition.heads("deleted", [], width, kind="endpoint"), Condition.heads("all", range(n_heads), width,
                                                                                     kind="endpoint")]
-    conds.append(Condition("scattered", (spread,), meta={"kind": "scattered"}))
+    for phase in range(n_heads):
+        spread = tuple(frozenset({(t + phase) % n_heads, (t + phase + 1) % n_heads}) for t in range(width))
+        conds.append(Condition(f"scattered p{phase}", (spread,), meta={"kind": "scattered", "phase": phase}))
     for a, b in rotating_pairs(n_heads):
         conds.append(Condition.heads(f"intact h{a}+{b}", (a, b), width, kind="intact"))
     return conds
 
 
 def compare(rows, n_heads: int, seed: int = 0) -> dict:
-    """R and retrieval of scattered vs intact (mean over the pairs per instance), and the paired differences."""
+    """R and retrieval of scattered (mean over phases per instance) vs intact (mean over the pairs per
+    instance), and the paired differences."""
     t = lp_table(rows)
     intact = [f"intact h{a}+{b}" for a, b in rotating_pairs(n_heads)]
-    inst = sorted(set.intersection(*(set(t[c]) for c in ["deleted", "all", "scattered", *intact])))
+    spread = [f"scattered p{p}" for p in range(n_heads)]
+    inst = sorted(set.intersection(*(set(t[c]) for c in ["deleted", "all", *spread, *intact])))
     d = np.array([t["deleted"][i][0] for i in inst])
     a = np.array([t["all"][i][0] for i in inst])
-    sc = np.array([t["scattered"][i][0] for i in inst])
+    sc = np.array([[t[c][i][0] for c in spread] for i in inst]).mean(1)
     it = np.array([[t[c][i][0] for c in intact] for i in inst]).mean(1)
-    sc_ok = np.array([t["scattered"][i][1] for i in inst], float)
+    sc_ok = np.array([[t[c][i][1] for c in spread] for i in inst], float).mean(1)
     it_ok = np.array([[t[c][i][1] for c in intact] for i in inst], float).mean(1)
     r = lambda x, d, a: (x - d).sum(-1) / (a - d).sum(-1)  # noqa: E731
     return {
@@ -93,6 +97,8 @@ def main(argv=None) -> int:
                   **c["retrieval_diff"].as_dict("retrieval")})
     table.append({"condition": "intact (mean of pairs)", "n": c["n"], **c["recall_intact"].as_dict("recall"),
                   **c["retrieval_intact"].as_dict("retrieval")})
+    table.append({"condition": "scattered (mean of phases)", "n": c["n"], **c["recall_scattered"].as_dict("recall"),
+                  **c["retrieval_scattered"].as_dict("retrieval")})
     path = write_csv(s.results.path.with_suffix(".summary.csv"), table)
     print(f"\nrows: {s.results.path}\nsummary: {path}")
     if not args.no_figure:

@@ -48,7 +48,7 @@ def test_head_pooling_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
     assert "--restart" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("probe,n_conds", [("scatter", 6), ("two_facts", 14)])
+@pytest.mark.parametrize("probe,n_conds", [("scatter", 8), ("two_facts", 14)])
 def test_scatter_and_two_facts_run(tiny_dir, tmp_path, probe, n_conds):
     import importlib
 
