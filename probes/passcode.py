@@ -17,6 +17,7 @@ SnapKV and TriAttention about 0: content-aware scores can find a needle Random c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,10 +45,18 @@ def compare(rows_by_policy: dict, reference: str = "random", seed: int = 0) -> l
     """Per policy: retrieval and mean LP with CIs, and the paired differences against ``reference``."""
     ref = lp_table(rows_by_policy[reference])["policy"] if reference in rows_by_policy else None
     table = []
+    if reference in rows_by_policy:  # the instrument's ceiling: full attention, and the passcode pinned everywhere
+        t = lp_table(rows_by_policy[reference])
+        for name, label in (("full", "full attention"), ("kept", "pinned everywhere")):
+            if name in t:
+                inst = sorted(t[name])
+                table.append({"policy": label, "n": len(inst), "rounds": "-",
+                              **mean_ci([t[name][i][1] for i in inst], seed=seed).as_dict("retrieval"),
+                              **mean_ci([t[name][i][0] for i in inst], seed=seed).as_dict("mean_lp")})
     for policy, rows in rows_by_policy.items():
         cell = lp_table(rows)["policy"]
         inst = sorted(cell)
-        rounds = sorted({r["rounds_after_fact"] for r in rows})
+        rounds = sorted({r["rounds_after_fact"] for r in rows if r["condition"] == "policy"})
         row = {"policy": policy, "n": len(inst), "rounds": "/".join(map(str, rounds)),
                **mean_ci([cell[i][1] for i in inst], seed=seed).as_dict("retrieval"),
                **mean_ci([cell[i][0] for i in inst], seed=seed).as_dict("mean_lp")}
@@ -59,8 +68,9 @@ def compare(rows_by_policy: dict, reference: str = "random", seed: int = 0) -> l
     return table
 
 
-def run_policies(args, parser, policies, base_dir: Path, loaded=None) -> dict:
-    """Run the passcode instances under each policy (resuming finished rows); ``{policy: rows}``."""
+def run_policies(args, parser, policies, base_dir: Path, loaded=None, references: bool = True) -> dict:
+    """Run the passcode instances under each policy (resuming finished rows); ``{policy: rows}``. With
+    ``references``, Random's file also gets full attention and the passcode pinned everywhere."""
     args.distance = passcode_distance(args.rounds, args.buffer, args.box_width)
     rows_by_policy = {}
     for policy in policies:
@@ -72,6 +82,14 @@ def run_policies(args, parser, policies, base_dir: Path, loaded=None) -> dict:
             print(describe(s).replace(f"distance {args.distance}", f"{args.rounds} rounds"))
         loaded = (s.model, s.tok)
         rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")
+        if policy == "random" and references:
+            # Can the model retrieve the passcode at this distance at all? Full attention, and the passcode
+            # pinned in every head while Random evicts the rest.
+            kept = run_conditions(s, [Condition.heads("kept", range(s.n_heads), s.builder.box_width)],
+                                  desc="passcode: kept everywhere")
+            full = run_conditions(dataclasses.replace(s, no_eviction=True), [Condition.policy("full")],
+                                  desc="passcode: full attention")
+            rows_by_policy["random"] = rows_by_policy["random"] + kept + full
     return rows_by_policy
 
 

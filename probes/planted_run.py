@@ -69,9 +69,13 @@ class Session:
     n_heads: int
     n_layers: int
     policy_options: dict = field(default_factory=dict)
+    no_eviction: bool = False  # full attention through the same code path (a budget no round reaches)
 
     def make_cache(self, batch_index: int, keep_log: bool = False) -> randattn.EvictingCache:
         a = self.args
+        if self.no_eviction:
+            return randattn.EvictingCache("random", budget=self.builder.length + 1, buffer=1, protect_prompt=False,
+                                          keep_log=keep_log)
         # Every batch draws its own evictions; rows of one batch differ through their row index.
         return randattn.EvictingCache(a.policy, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
                                       seed=a.seed * 1_000_003 + batch_index, keep_log=keep_log, **self.policy_options)

@@ -99,9 +99,10 @@ def main(argv=None) -> int:
     if not args.skip_passcode:
         pc = argparse.Namespace(**{**vars(args), "instances": args.passcode_instances, "protect_prompt": True,
                                    "box_width": 20, "paper": False, "out": None})
-        rows_by_policy = run_policies(pc, p, list(POLICIES), Path("data/results/passcode"), loaded=loaded)
+        rows_by_policy = run_policies(pc, p, list(POLICIES), Path("data/results/passcode"), loaded=loaded,
+                                      references=False)
         print(f"\npasscode stated once, asked after {args.rounds} rounds (prompt protected):")
-        for r in passcode_compare(rows_by_policy, seed=args.seed):
+        for r in passcode_compare(rows_by_policy, seed=args.seed)[-len(POLICIES):]:
             print(f"  {r['policy']:<14} retrieval {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, {r['retrieval_hi']:.3f}]"
                   f"  mean LP {r['mean_lp']:.2f}")
             table.append({"measure": "passcode_retrieval", "policy": r["policy"], "n": r["n"], "value": r["retrieval"],

@@ -97,9 +97,12 @@ def test_passcode_counts_the_rounds_from_the_event_counter(tiny_dir, tmp_path, c
                           "2", "--batch", "2", "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
                           "--policies", "random", "recency", "h2o"]) == 0
     for policy in ("random", "recency", "h2o"):
-        rows = _rows(tmp_path / f"{policy}.jsonl")
+        rows = [r for r in _rows(tmp_path / f"{policy}.jsonl") if r["condition"] == "policy"]
         assert len(rows) == 2 and all(r["rounds_after_fact"] == 5 for r in rows)
         assert all(r["config"]["protect_prompt"] for r in rows)
+    refs = [r for r in _rows(tmp_path / "random.jsonl") if r["condition"] != "policy"]
+    assert {r["condition"] for r in refs} == {"kept", "full"}
+    assert all(r["rounds"] == 0 for r in refs if r["condition"] == "full")
     out = capsys.readouterr().out
     assert "asked after 5 rounds" in out
     assert (tmp_path / "passcode.png").exists()
