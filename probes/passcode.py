@@ -117,11 +117,11 @@ def main(argv=None) -> int:
     table = compare(rows_by_policy, seed=args.seed)
     print(f"\npasscode stated once, asked after {args.rounds} rounds (K={args.budget}, r={args.buffer}, "
           f"prompt {'protected' if args.protect_prompt else 'unprotected'}); 95% bootstrap CIs")
-    print(f"{'policy':<14} {'n':>3} {'rounds':>7}  {'retrieval':<22} {'mean LP':<26} {'retrieval - random':<24}")
+    print(f"{'policy':<17} {'n':>3} {'rounds':>7}  {'retrieval':<22} {'mean LP':<26} {'retrieval - random':<24}")
     for r in table:
         diff = (f"{r['retrieval_vs_random']:+.3f} [{r['retrieval_vs_random_lo']:+.3f}, {r['retrieval_vs_random_hi']:+.3f}]"
                 if "retrieval_vs_random" in r else "")
-        print(f"{r['policy']:<14} {r['n']:>3} {r['rounds']:>7}  {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, "
+        print(f"{r['policy']:<17} {r['n']:>3} {r['rounds']:>7}  {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, "
               f"{r['retrieval_hi']:.3f}]  {r['mean_lp']:7.2f} [{r['mean_lp_lo']:.2f}, {r['mean_lp_hi']:.2f}]  {diff}")
     print("paper (Qwen3-4B, 57 rounds): random .000, rkv .836, vase .344, snapkv ~0, triattention ~0")
     config = {k: rows_by_policy[args.policies[0]][0]["config"][k] for k in ("model", "budget", "buffer", "protect_prompt",
