@@ -31,6 +31,8 @@ FIGURES = {
     "prompt_protection": ("figures.prompt_protection:plot",
                           R / "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv",
                           "python -m probes.prompt_protection"),
+    "shared_draw": ("figures.shared_draw:plot", R / "shared_draw/summary-smollm2-135m-K256-r16-s0.csv",
+                    "python -m probes.shared_draw"),
     "bench_decode": ("figures.bench:plot_decode", R / "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", R / "bench/round_cost.json", "python -m bench.round_cost"),
 }

@@ -88,13 +88,17 @@ def main(argv=None) -> int:
     p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared")
     p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
     p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
-    p.add_argument("--body", type=positive_int, default=512, help="reasoning tokens between question and restatement")
-    p.add_argument("--instances", type=positive_int, default=16)
-    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--body", type=positive_int, default=512,
+                   help="reasoning tokens between question and restatement (body / r rounds run)")
+    p.add_argument("--paper", action="store_true", help="the paper's K=1024, r=64 with a 2,048-token body (32 rounds)")
+    p.add_argument("--instances", type=positive_int, default=16, help="problems (paired across policies and modes)")
+    p.add_argument("--batch", type=positive_int, default=8, help="problems replayed together")
     p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
-    p.add_argument("--no-figure", action="store_true")
+    p.add_argument("--no-figure", action="store_true", help="do not draw the figure")
     p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
     args = p.parse_args(argv)
+    if args.paper:
+        args.budget, args.buffer, args.body = 1024, 64, 2048
     unknown = [x for x in args.policies if x not in randattn.known_policies()]
     if unknown:
         p.error(f"--policies {unknown} unknown; choose from {', '.join(randattn.known_policies())}")

@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--sequences", type=positive_int, default=16, help="trace sequences for the next-token loss")
     p.add_argument("--length", type=positive_int, default=1024, help="tokens per trace sequence")
     p.add_argument("--rounds", type=positive_int, default=57, help="passcode: rounds between statement and answer")
-    p.add_argument("--passcode-instances", type=positive_int, default=16)
-    p.add_argument("--skip-nll", action="store_true")
-    p.add_argument("--skip-planted", action="store_true")
-    p.add_argument("--skip-passcode", action="store_true")
+    p.add_argument("--passcode-instances", type=positive_int, default=16, help="passcode: instances per policy")
+    p.add_argument("--skip-nll", action="store_true", help="skip the next-token-loss comparison")
+    p.add_argument("--skip-planted", action="store_true", help="skip the planted-fact comparison")
+    p.add_argument("--skip-passcode", action="store_true", help="skip the passcode comparison")
     args = p.parse_args(argv)
     if args.policy != "random":
         p.error("--policy is fixed by this probe (random vs random-shared); drop the flag")
@@ -115,6 +115,11 @@ def main(argv=None) -> int:
                      [{**r, "model": s.results.config["model"], "budget": args.budget, "buffer": args.buffer}
                       for r in table])
     print(f"\nsummary: {path}")
+    if not args.no_figure:
+        from figures.shared_draw import plot
+
+        for f in plot(path, args.figure_dir):
+            print(f"figure: {f}")
     return 0
 
 

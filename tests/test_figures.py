@@ -24,9 +24,12 @@ def test_a_missing_result_names_the_command(tmp_path, capsys):
     assert "python -m probes.scatter" in capsys.readouterr().err
 
 
+REAL_ERRORBAR = figures.style.errorbar
+
+
 def _plotted(monkeypatch, name, results, tmp_path):
     points = []
-    real = figures.style.errorbar
+    real = REAL_ERRORBAR
     monkeypatch.setattr(figures.style, "errorbar", lambda ax, x, est, **kw: (points.append(round(est.value, 6)),
                                                                              real(ax, x, est, **kw))[1])
     draw(name, results, tmp_path)
