@@ -31,6 +31,19 @@ def embedded():
     return model, tok
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, embedded):
+    """A tiny 3-KV-head Llama saved with SmolLM2's tokenizer, loadable by path (``--model DIR``) like any HF
+    model: the probes' command lines end to end in seconds."""
+    tok = embedded[1]
+    d = tmp_path_factory.mktemp("tiny3")
+    model = tiny_model("llama", vocab_size=len(tok), num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                       num_hidden_layers=2, head_dim=16)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
 def random_ids(batch: int, length: int, seed: int = 0, vocab: int = 256) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g)

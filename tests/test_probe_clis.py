@@ -5,21 +5,8 @@ import json
 
 import pytest
 
-from randattn.testing import tiny_model
 
 SMALL = ["--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2", "--parity", "1"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, embedded):
-    """A tiny 3-KV-head Llama saved with SmolLM2's tokenizer, loadable by path like any HF model."""
-    tok = embedded[1]
-    d = tmp_path_factory.mktemp("tiny3")
-    model = tiny_model("llama", vocab_size=len(tok), num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
-                       num_hidden_layers=2, head_dim=16)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
 
 
 def _rows(path):
