@@ -71,6 +71,7 @@ class EvictingLayer(CacheLayerMixin):
         self._buf: dict[str, torch.Tensor] = {}  # buffers behind the keys/values/positions/attention views
         self.seq_len = 0  # absolute length L seen by this layer
         self.events = 0  # applied eviction rounds
+        self.round_lengths: list[int] = []  # seq_len at each applied round (per-row accounting in batched runs)
         # Recent post-RoPE queries for attention-based policies (filled by randattn.capture).
         self.recent_queries: Optional[torch.Tensor] = None  # [B, H_q, <=w, D]
         self.recent_query_positions: Optional[torch.Tensor] = None  # [<=w]
@@ -221,6 +222,7 @@ class EvictingLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seq_len = 0
         self.events = 0
+        self.round_lengths = []
 
     # Beam search and num_return_sequences move whole batch rows; positions and queries move with them.
     def _map_rows(self, fn) -> None:
@@ -431,6 +433,7 @@ class EvictingCache(Cache):
         if self.keep_log is not None:
             self.keep_log.record(layer.layer_idx, layer.events, layer.seq_len, layer.positions)
         layer.events += 1
+        layer.round_lengths.append(layer.seq_len)
         if layer.layer_idx == 0 and layer.events % 16 == 0:
             release_free_memory()  # rounds churn same-sized buffers; keep the heap from fragmenting (see _memory)
         if timed_cuda:

@@ -41,6 +41,8 @@ def test_invariants_hold_for_random_configurations(trial):
             assert pos.shape[-1] <= budget + buffer - 1
             if ran_round:
                 assert pos.shape[-1] == budget
+                assert layer.round_lengths[-1] == layer.seq_len  # the round's sequence length is recorded
+            assert len(layer.round_lengths) == layer.events
             # chronological, no duplicates
             assert bool((pos[..., 1:] > pos[..., :-1]).all())
             # keys and values moved with their positions

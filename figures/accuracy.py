@@ -1,0 +1,110 @@
+"""Accuracy per policy under eviction, with 95% bootstrap CIs over problems (``python -m probes.accuracy``).
+
+One budget: a point per policy, protected prompt (filled) and score only (open) side by side, full
+attention as a dashed line with its CI band. Several budgets (a compression sweep): accuracy
+against K, one line per policy. Points marked ``*`` differ from Random at the same K and protection
+by both the paired bootstrap CI and the exact sign test.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import matplotlib.pyplot as plt
+
+from randattn.stats import mean_ci, paired_comparison, per_problem_means
+
+from . import style
+
+
+def _grades(rows: list[dict]) -> dict:
+    """``{(policy, budget, protect): {problem: [grades]}}``."""
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        out[(r["policy"], r["budget"], r["protect_prompt"])][r["problem"]].append(r["grade"])
+    return out
+
+
+def _accuracy(g: dict):
+    return mean_ci(list(per_problem_means(g).values()))
+
+
+def _significant(grades: dict, key) -> bool:
+    ref = ("random", key[1], key[2])
+    if key[0] in ("random", "full") or ref not in grades:
+        return False
+    return paired_comparison(grades[key], grades[ref], n_resamples=2000).significant
+
+
+def _full_line(ax, grades: dict) -> None:
+    full = grades.get(("full", None, None))
+    if full:
+        est = _accuracy(full)
+        ax.axhline(est.value, ls="--", color="gray", lw=1, label=f"full attention ({est.value:.3f})")
+        ax.axhspan(est.lo, est.hi, color="gray", alpha=0.12, lw=0)
+
+
+def _one_budget(ax, grades: dict, policies: list[str]) -> None:
+    budget = next((k[1] for k in grades if k[0] != "full"), None)
+    for protect, dx, face, label in ((True, -0.15, None, "+ prompt protection"), (False, 0.15, "white", "score only")):
+        if any(k[2] is protect for k in grades):
+            ax.plot([], [], "o", color="black", mfc=face, label=label)  # legend entry in neutral colour
+        for x, pol in enumerate(policies):
+            key = (pol, budget, protect)
+            if key not in grades:
+                continue
+            est = _accuracy(grades[key])
+            style.errorbar(ax, x + dx, est, color=style.PALETTE[1] if pol == "random" else style.PALETTE[0],
+                           mfc=face)
+            if _significant(grades, key):
+                ax.text(x + dx, est.hi + 0.01, "*", ha="center", fontsize=12)
+    ax.set_xticks(range(len(policies)), policies, rotation=30, ha="right")
+    ax.set_xlabel(f"policy (K={budget})")
+
+
+def _sweep(ax, grades: dict, policies: list[str]) -> None:
+    for i, pol in enumerate(policies):
+        pts = sorted((k[1], k) for k in grades if k[0] == pol and k[2] is not False)
+        if not pts:
+            continue
+        ests = [_accuracy(grades[k]) for _, k in pts]
+        xs = [b for b, _ in pts]
+        color = style.PALETTE[i % len(style.PALETTE)]
+        ax.plot(xs, [e.value for e in ests], "-", color=color, label=pol, lw=2 if pol == "random" else 1)
+        for x, e in zip(xs, ests):
+            style.errorbar(ax, x, e, color=color, ms=3)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget K (pairs per KV head)")
+
+
+def plot(results_path: "str | Path", out_dir=None, name: str = "accuracy", *, problems: Optional[list] = None,
+         runs: Optional[int] = None) -> list[Path]:
+    """Draw the accuracy figure from a ``probes.accuracy`` result file (optionally restricted to some problems and
+    the first ``runs`` runs); returns the PNG and PDF paths."""
+    rows = style.load_rows(results_path, "accuracy")
+    if problems is not None:
+        keep = set(problems)
+        rows = [r for r in rows if r["problem"] in keep]
+    if runs is not None:
+        rows = [r for r in rows if r["run"] < runs]
+    grades = _grades(rows)
+    policies = list(dict.fromkeys(k[0] for k in sorted(grades, key=lambda k: (k[0] != "random", k[0]))
+                                  if k[0] != "full"))
+    budgets = {k[1] for k in grades if k[0] != "full"}
+    style.apply()
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.75 * len(policies) + 3), 4.2))
+    (_one_budget if len(budgets) <= 1 else _sweep)(ax, grades, policies)
+    _full_line(ax, grades)
+    ax.set_ylabel(f"accuracy ({rows[0]['task']})")
+    ax.set_ylim(0, 1.08)
+    ax.legend(fontsize=8, loc="lower left")
+    c = rows[0]["config"]
+    n_prob = len({r["problem"] for r in rows})
+    n_runs = len({r["run"] for r in rows})
+    fig.suptitle(f"Accuracy under eviction: {Path(str(c['model'])).name}, {c['task']}, r={c['buffer']}; {n_prob} "
+                 f"problems x up to {n_runs} runs\n95% bootstrap CIs over problems; * = significant vs random "
+                 "(paired CI and sign test)", fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)

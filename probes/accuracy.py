@@ -1,0 +1,478 @@
+"""Accuracy under eviction: generate with the evicting cache, grade, compare policies with the paper's statistics.
+
+    python -m probes.accuracy                                   # embedded SmolLM2-135M, copy task, every policy
+    python -m probes.accuracy --policy random --no-protect-prompt          # add score-only Random to the same file
+    python -m probes.accuracy --model Qwen/Qwen3-4B --task math500 --policy full random snapkv rkv --runs 4
+    python -m probes.accuracy --task math500 --data math500.jsonl --compression 2 4 8 16 --policy random triattention
+
+Every problem is generated under each policy's cache (``--policy full`` is full attention: a cache
+large enough never to evict) with the model's chat template (thinking mode where the template has
+one, e.g. Qwen3), graded (see :mod:`probes.tasks`), and written as one JSONL row per
+(problem, run, policy, K, protection) with the full config, the generated length, whether the
+model stopped by itself (EOS), the eviction rounds applied while the row was still generating
+(from the cache's event counter) and the grade. Interrupted runs resume where they stopped.
+
+Runs: greedy decoding (the default) makes runs differ only by the eviction seed (per seed, run and
+batch), so full attention and the policies that never draw on the seed (``SEED_FREE``: recency,
+streamingllm, h2o, snapkv, rkv, triattention) run once, and random, random-shared and vase (Gumbel
+sampling) run ``--runs`` times; ``--temperature T`` samples (``--top-p``), and every policy then runs
+``--runs`` times with a sampling seed per run. ``--compression c [c ...]`` sets ``K = mean full-attention
+generation length / c`` on the same problems (full attention is run first when missing).
+
+Length guard: a row whose generation ended before any eviction round fired (``events == 0``) did
+no compression and is marked ``compressed: false``; the summary warns loudly (the paper's vLLM
+benchmark bug, where "compressed" runs never reached the budget).
+
+Summary: accuracy per policy with a 95% bootstrap CI, the paired, problem-clustered comparison
+with Random at the same K and protection (mean difference, CI, bootstrap p, exact sign test,
+verdict: significant only when both pass), the protection gain for policies run both ways, and the
+methods x budgets table (Markdown printed; CSV, LaTeX and Markdown written beside the rows), plus
+``figures/accuracy.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import randattn
+from randattn.stats import comparison_table, mean_ci, paired_comparison, per_problem_means
+
+from .common import base_parser, positive_int
+from .passcode import POLICIES
+from .planted_run import write_csv
+from .results import REPO_ROOT, ResultsFile, git_revision
+from .tasks import TASKS, TaskDataError, chat_ids, get_task, has_thinking_mode, load_problems
+
+FULL = "full"
+# Policies whose scores never draw on the eviction seed: under greedy decoding their runs are identical, so they run
+# once (like full attention). tests/test_accuracy.py checks that their keep-sets do not depend on the seed.
+SEED_FREE = frozenset({"recency", "streamingllm", "h2o", "snapkv", "rkv", "triattention"})
+KEY = ("problem", "run", "policy", "budget", "protect_prompt")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One generation setting: a policy at a budget, with or without the protected prompt."""
+
+    policy: str
+    budget: Optional[int]  # None for full attention
+    protect: Optional[bool]  # None for full attention
+    compression: Optional[float] = None
+
+    @property
+    def label(self) -> str:
+        """Method name in tables: the policy, ``(score only)`` when the prompt competes."""
+        if self.policy == FULL:
+            return FULL
+        return self.policy if self.protect else f"{self.policy} (score only)"
+
+
+# -- command line ---------------------------------------------------------------------------------
+def accuracy_parser() -> argparse.ArgumentParser:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--task", default="copy", help=f"one of {', '.join(TASKS)}")
+    p.add_argument("--policy", nargs="+", default=[FULL, *POLICIES],
+                   help=f"policies to run; '{FULL}' is full attention (no eviction)")
+    p.add_argument("--budget", type=positive_int, nargs="+", default=None,
+                   help="K, one or several (a budget sweep); default: the task's, e.g. math500 1024")
+    p.add_argument("--buffer", type=positive_int, default=None, help="r (default: the task's; 64 for the paper's tasks)")
+    p.add_argument("--compression", type=float, nargs="+", default=None,
+                   help="set K = mean full-attention generation length / c for each c (instead of --budget)")
+    p.add_argument("--runs", type=positive_int, default=3, help="runs per problem (eviction seeds; sampling seeds too)")
+    p.add_argument("--problems", type=positive_int, default=None, help="first N problems (default: all; copy: 32)")
+    p.add_argument("--data", default=None, help="local JSONL of problems instead of the HF dataset (fields: see "
+                                                "probes/tasks.py)")
+    p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
+                   help="score only: the prompt competes with everything else (default: protected)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the task's (32768 for the "
+                                                                             "paper's tasks)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    p.add_argument("--batch", type=positive_int, default=32, help="problems of equal prompt length generated together")
+    p.add_argument("--policy-option", nargs="+", default=[], metavar="POLICY:KEY=VALUE",
+                   help="policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 (override the task's)")
+    p.add_argument("--stats", default=None, help="TriAttention statistics file (default: the embedded model's)")
+    p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
+    p.add_argument("--no-figure", action="store_true")
+    p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad flag combinations with a message naming the flag and the fix."""
+    if args.task not in TASKS:
+        p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
+    unknown = [x for x in args.policy if x != FULL and x not in randattn.known_policies()]
+    if unknown:
+        p.error(f"--policy {unknown} unknown; choose from {FULL}, {', '.join(randattn.known_policies())}")
+    if args.compression is not None and args.budget is not None:
+        p.error("--budget and --compression both set K; pass one of them")
+    if args.compression is not None and any(c <= 0 for c in args.compression):
+        p.error(f"--compression {args.compression}: each factor must be > 0 (e.g. 2 4 8 16)")
+    if args.temperature < 0:
+        p.error(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
+    if "triattention" in args.policy and args.stats is None and args.model is not None:
+        p.error("--policy triattention needs --stats FILE for this model: run `python -m randattn.calibrate "
+                f"--model {args.model} --out stats.pt` and pass --stats stats.pt")
+
+
+def policy_options(p: argparse.ArgumentParser, specs: list[str], task_defaults: dict) -> dict:
+    """``{policy: {option: value}}``: the task's defaults updated by ``--policy-option POLICY:KEY=VALUE``; every
+    option is checked against the policy's constructor."""
+    options = {pol: dict(opts) for pol, opts in task_defaults.items()}
+    for spec in specs:
+        pol, sep, rest = spec.partition(":")
+        key, eq, value = rest.partition("=")
+        if not sep or not eq or not key:
+            p.error(f"--policy-option {spec!r}: expected POLICY:KEY=VALUE, e.g. h2o:recent_fraction=0.25")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass  # a plain string such as aggregate=max
+        options.setdefault(pol, {})[key] = value
+    for pol, opts in options.items():
+        if pol == "triattention":
+            continue  # needs its statistics to be built; checked when its first cache is made
+        try:
+            randattn.make_policy(pol, **opts)
+        except (ValueError, TypeError) as exc:
+            p.error(f"--policy-option for {pol}: {exc}")
+    return options
+
+
+# -- generation -------------------------------------------------------------------------------------
+def make_cache(arm: Arm, *, prompt_len: int, max_new_tokens: int, buffer: int, seed: int, stats,
+               options: dict) -> randattn.EvictingCache:
+    """The cache for one batch: full attention is a cache too big ever to evict."""
+    if arm.policy == FULL:
+        return randattn.EvictingCache("random", budget=prompt_len + max_new_tokens + 1, buffer=1, protect_prompt=False)
+    options = dict(options.get(arm.policy, {}))
+    if arm.policy == "triattention":
+        options.setdefault("stats", stats)
+    return randattn.EvictingCache(arm.policy, budget=arm.budget, buffer=buffer, protect_prompt=arm.protect, seed=seed,
+                                  **options)
+
+
+def eos_ids(model, tok) -> set[int]:
+    """Every token id that ends a generation for this model."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen if isinstance(gen, (list, tuple)) else [gen] if gen is not None else [])
+    return ids
+
+
+def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int, args, stats) -> list[dict]:
+    """Generate one batch of equal-length prompts under ``arm``; per row: text, length, EOS, rounds."""
+    ids = torch.tensor(prompts, device=model.device)
+    prompt_len = ids.shape[1]
+    cache = make_cache(arm, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens, buffer=args.buffer, seed=seed,
+                       stats=stats, options=args.options)
+    stop = eos_ids(model, tok)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 \
+        else {"do_sample": False}
+    if args.temperature > 0:
+        torch.manual_seed(seed)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(stop), 0)
+    out = randattn.generate(model, ids, cache, max_new_tokens=args.max_new_tokens, pad_token_id=pad, **sampling)
+    return rows_of(out[:, prompt_len:].tolist(), prompt_len=prompt_len, cache=cache, tok=tok, stop=stop)
+
+
+def rows_of(gen: list[list[int]], *, prompt_len: int, cache, tok, stop: set[int]) -> list[dict]:
+    """Per generated row: text up to its first stop token, length, EOS, and the eviction rounds that shaped it."""
+    fired = cache.layers[0].round_lengths if cache.layers else []
+    rows = []
+    for g in gen:
+        end = next((i + 1 for i, t in enumerate(g) if t in stop), None)
+        length = end if end is not None else len(g)
+        # A round at sequence length s runs after that step's attention, so it shapes tokens from position s + 1 on;
+        # rows that stopped early share the cache with rows that go on, so count only rounds before this row's end.
+        events = sum(s < prompt_len + length - 1 for s in fired)
+        rows.append({"prompt_len": prompt_len, "gen_len": length, "terminated": end is not None, "events": events,
+                     "cache_events": cache.events[0] if cache.layers else 0,
+                     "output": tok.decode(g[:length], skip_special_tokens=True)})
+    return rows
+
+
+def batch_seed(seed: int, run: int, first_problem: int) -> int:
+    """The eviction (and sampling) seed of one batch: differs per run and per batch."""
+    return seed * 1_000_003 + run * 10_007 + first_problem
+
+
+def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple]:
+    """``(arm, run, [problem indices])`` still to do, batching problems of equal prompt length."""
+    work = []
+    for arm in arms:
+        for run in range(runs_of(arm)):
+            by_len = defaultdict(list)
+            for i, prob in enumerate(problems):
+                if (prob.id, run, arm.policy, arm.budget, arm.protect) not in done:
+                    by_len[len(prompts[i])].append(i)
+            for idx in by_len.values():
+                work += [(arm, run, idx[b:b + batch]) for b in range(0, len(idx), batch)]
+    return work
+
+
+def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p, stats) -> None:
+    """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
+    runs_of = (lambda arm: 1 if args.temperature == 0 and (arm.policy == FULL or arm.policy in SEED_FREE)
+               else args.runs)
+    work = pending_batches(arms, problems, prompts, runs_of, rf.done, args.batch)
+    if not work:
+        return
+    bar = tqdm(total=sum(len(idx) for *_, idx in work), desc=f"accuracy: {task.name}", unit="gen")
+    score = defaultdict(list)
+    for arm, run, idx in work:
+        seed = batch_seed(args.seed, run, idx[0])
+        try:
+            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=stats)
+        except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
+            bar.close()
+            p.error(f"--policy {arm.policy} (K={arm.budget}, protect_prompt={arm.protect}): {exc}")
+        rows = []
+        for i, o in zip(idx, outs):
+            prob = problems[i]
+            g = task.grade(o["output"], prob)
+            rows.append({"task": task.name, "problem": prob.id, "run": run, "policy": arm.policy,
+                         "budget": arm.budget, "protect_prompt": arm.protect, "compression": arm.compression,
+                         "seed": seed, **o, "compressed": o["events"] > 0, "grade": g.score,
+                         "extracted": g.extracted, "answer": prob.answer})
+            score[arm.label].append(g.score)
+        rf.append(rows)
+        bar.update(len(idx))
+        bar.set_postfix_str(f"{arm.label} K={arm.budget} acc={np.mean(score[arm.label]):.3f}")
+    bar.close()
+
+
+# -- compression sweep ----------------------------------------------------------------------------
+def sweep_budgets(rows: list[dict], factors: list[float]) -> tuple[float, dict[float, int]]:
+    """Mean full-attention generation length over ``rows`` and ``{c: K = round(mean / c)}``."""
+    lengths = [r["gen_len"] for r in rows if r["policy"] == FULL]
+    if not lengths:
+        raise ValueError("no full-attention rows to measure the generation length on")
+    mean = float(np.mean(lengths))
+    return mean, {c: max(1, int(round(mean / c))) for c in factors}
+
+
+# -- summary ----------------------------------------------------------------------------------------
+def arm_of(row: dict) -> Arm:
+    return Arm(row["policy"], row["budget"], row["protect_prompt"])
+
+
+def grades_by_arm(rows: list[dict]) -> dict[Arm, dict[str, list[float]]]:
+    """``{arm: {problem: [grade per run]}}``."""
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        out[arm_of(r)][r["problem"]].append(r["grade"])
+    return {a: dict(g) for a, g in out.items()}
+
+
+def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:
+    """One line per arm: accuracy with CI, lengths, termination, rounds, uncompressed rows, and the paired
+    comparison with Random at the same K and protection (or protected Random when that is all there is)."""
+    grades = grades_by_arm(rows)
+    by_arm = defaultdict(list)
+    for r in rows:
+        by_arm[arm_of(r)].append(r)
+    table = []
+    order = sorted(grades, key=lambda a: (a.policy != FULL, a.budget or 0, not a.protect, a.policy))
+    for arm in order:
+        rs, g = by_arm[arm], grades[arm]
+        acc = mean_ci(list(per_problem_means(g).values()), seed=seed)
+        line = {"method": arm.label, "policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect,
+                "problems": len(g), "runs": max(len(v) for v in g.values()), **acc.as_dict("accuracy"),
+                "gen_len": float(np.mean([r["gen_len"] for r in rs])),
+                "terminated": float(np.mean([r["terminated"] for r in rs])),
+                "events": float(np.mean([r["events"] for r in rs])),
+                "uncompressed": 0 if arm.policy == FULL else sum(not r["compressed"] for r in rs)}
+        ref = next((b for b in (Arm("random", arm.budget, arm.protect), Arm("random", arm.budget, True))
+                    if b in grades and b != arm), None)
+        if arm.policy == FULL:
+            ref = next((b for b in order if b.policy == "random" and b.protect), None)
+        if ref is not None:
+            c = paired_comparison(g, grades[ref], n_resamples=n_resamples, seed=seed)
+            line.update({"vs": ref.label + ("" if arm.policy != FULL else f" K={ref.budget}"),
+                         **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins,
+                         "losses": c.sign.losses, "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict})
+        table.append(line)
+    return table
+
+
+def protection_gains(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:
+    """For each policy and K run both ways: protected minus score-only accuracy, paired by problem."""
+    grades = grades_by_arm(rows)
+    out = []
+    for arm in sorted(grades, key=lambda a: (a.budget or 0, a.policy)):
+        if arm.protect and Arm(arm.policy, arm.budget, False) in grades:
+            c = paired_comparison(grades[arm], grades[Arm(arm.policy, arm.budget, False)], n_resamples=n_resamples,
+                                  seed=seed)
+            out.append({"policy": arm.policy, "budget": arm.budget, **c.delta.as_dict("gain"),
+                        "p_bootstrap": c.p_bootstrap, "p_sign": c.sign.p, "verdict": c.verdict})
+    return out
+
+
+def table_results(rows: list[dict], task: str) -> dict:
+    """``{(policy, column): {problem: [grades]}}`` for :func:`randattn.stats.comparison_table`: one column per K and
+    protection mode (``copy K=256``, ``copy K=256 score only``), so every cell is compared with Random under the same
+    K and protection; full attention is repeated in each column."""
+    grades = grades_by_arm(rows)
+    columns = sorted({(a.budget, a.protect) for a in grades if a.policy != FULL}, key=lambda c: (c[0], not c[1]))
+    results = {}
+    for k, protect in columns:
+        col = f"{task} K={k}" + ("" if protect else " score only")
+        for arm, g in grades.items():
+            if arm.policy == FULL or (arm.budget, arm.protect) == (k, protect):
+                results[(arm.policy, col)] = g
+    return dict(sorted(results.items(), key=lambda kv: (kv[0][0] != FULL, kv[0][0] != "random", kv[0][0])))
+
+
+def warn_uncompressed(table: list[dict]) -> Optional[str]:
+    """The loud warning when rows under an evicting policy never ran a round (None when all did)."""
+    bad = [(t["method"], t["budget"], t["uncompressed"]) for t in table if t["uncompressed"]]
+    if not bad:
+        return None
+    listing = ", ".join(f"{m} K={k}: {n}" for m, k, n in bad)
+    bar = "!" * 100
+    return (f"{bar}\nWARNING: rows that never triggered an eviction round ({listing}).\n"
+            "Their generation ended before the cache reached K + r, so they measured FULL ATTENTION, not compression\n"
+            "(the paper's vLLM benchmark bug). Those rows carry compressed: false. Lower --budget, raise "
+            f"--max-new-tokens, or drop them.\n{bar}")
+
+
+def print_summary(table: list[dict], gains: list[dict]) -> None:
+    print(f"\n{'method':<28} {'K':>5} {'n':>4} {'accuracy [95% CI]':<22} {'vs random [95% CI]':<24} {'p_boot':>6} "
+          f"{'sign W/L/T':>10} {'p_sign':>6} {'verdict':<17} {'len':>6} {'EOS':>5} {'rounds':>6}")
+    for t in table:
+        cmp = (f"{t['delta']:+.3f} [{t['delta_lo']:+.3f}, {t['delta_hi']:+.3f}]", f"{t['p_bootstrap']:.3f}",
+               f"{t['wins']}/{t['losses']}/{t['ties']}", f"{t['p_sign']:.3f}", t["verdict"]) if "delta" in t \
+            else ("(reference)" if t["policy"] == "random" else "", "", "", "", "")
+        print(f"{t['method']:<28} {t['budget'] or '-':>5} {t['problems']:>4} {t['accuracy']:.3f} [{t['accuracy_lo']:.3f}, "
+              f"{t['accuracy_hi']:.3f}]   {cmp[0]:<24} {cmp[1]:>6} {cmp[2]:>10} {cmp[3]:>6} {cmp[4]:<17} "
+              f"{t['gen_len']:>6.1f} {t['terminated']:>5.2f} {t['events']:>6.1f}")
+    for g in gains:
+        print(f"prompt protection gain, {g['policy']} K={g['budget']}: {g['gain']:+.3f} [{g['gain_lo']:+.3f}, "
+              f"{g['gain_hi']:+.3f}], p_boot {g['p_bootstrap']:.3f}, p_sign {g['p_sign']:.3f}: {g['verdict']}")
+    print("paper (Qwen3/Phi-4, 5 tasks): Random wins 31 of 60 comparisons significantly, loses 1; Table 2 (MATH500, "
+          "Qwen3-4B) score only -> protected: snapkv .703->.829, rkv .810->.812, vase .809->.812, random .459->.874")
+
+
+def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[dict], task: str) -> dict:
+    """Summary CSV and the comparison table (CSV, LaTeX, Markdown) beside the rows; returns the paths."""
+    paths = {"summary": write_csv(out.with_suffix(".summary.csv"), table)}
+    if gains:
+        paths["protection"] = write_csv(out.with_suffix(".protection.csv"), gains)
+    results = table_results(rows, task)
+    if any(m == "random" for m, _ in results):
+        for fmt, ext in (("csv", ".table.csv"), ("latex", ".table.tex"), ("markdown", ".table.md")):
+            path = out.with_suffix(ext)
+            path.write_text(comparison_table(results, reference="random", fmt=fmt))
+            paths[fmt] = path
+    return paths
+
+
+def check_prompt_fits(p: argparse.ArgumentParser, arms: list[Arm], longest: int) -> None:
+    """A protected prompt needs K >= its length + 1; otherwise stop, naming the flag that set K."""
+    for arm in arms:
+        if arm.protect and arm.budget <= longest:
+            flag = f"--compression {arm.compression:g}" if arm.compression else f"--budget {arm.budget}"
+            p.error(f"{flag}: K={arm.budget} cannot hold the protected {longest}-token prompt plus one slot; use K >= "
+                    f"{longest + 1}, a smaller compression, or --no-protect-prompt")
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def default_out(model_name: str, task: str, args) -> Path:
+    sampling = f"-T{args.temperature:g}-p{args.top_p:g}" if args.temperature > 0 else ""
+    return (Path("data/results/accuracy") /
+            f"{Path(str(model_name)).name}-{task}-r{args.buffer}-n{args.max_new_tokens}{sampling}-s{args.seed}.jsonl")
+
+
+def repo_relative(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)
+
+
+def main(argv=None) -> int:
+    p = accuracy_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    task = get_task(args.task)
+    args.buffer = args.buffer or task.buffer
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    budgets = args.budget or [task.budget]
+    args.options = policy_options(p, args.policy_option, task.policy_options)
+    try:
+        problems = load_problems(task, args.data, args.problems or task.problems)
+    except TaskDataError as exc:
+        p.error(str(exc))
+    model, tok = randattn.load_model(args.model, device=args.device)
+    model_name = args.model or randattn.DEFAULT_MODEL
+    stats = args.stats or (randattn.DEFAULT_MODEL if args.model is None else None)
+    prompts = [chat_ids(tok, prob.prompt) for prob in problems]
+    longest = max(len(x) for x in prompts)
+    config = {"probe": "accuracy", "model": model_name, "task": task.name, "buffer": args.buffer,
+              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "seed": args.seed, "batch": args.batch, "thinking": has_thinking_mode(tok), "data": repo_relative(args.data),
+              "stats": stats, "policy_options": args.options,
+              "revision": git_revision()}
+    out = Path(args.out) if args.out else default_out(model_name, task.name, args)
+    try:
+        rf = ResultsFile(out, config, KEY, restart=args.restart)
+    except ValueError as exc:
+        p.error(str(exc))
+    ids = {prob.id for prob in problems}
+    print(f"model {model_name} | task {task.name}: {len(problems)} problems, prompts {min(map(len, prompts))}-{longest} "
+          f"tokens{', thinking mode' if config['thinking'] else ''} | r={args.buffer}, max {args.max_new_tokens} new "
+          f"tokens, {'greedy' if args.temperature == 0 else f'T={args.temperature}, top-p {args.top_p}'}, "
+          f"{args.runs} runs | prompt {'protected' if args.protect_prompt else 'unprotected (score only)'}"
+          + (f" | policy options {args.options}" if args.options else ""))
+    policies = [x for x in args.policy if x != FULL]
+    if args.compression is None:
+        arms = [Arm(pol, k, args.protect_prompt) for k in dict.fromkeys(budgets) for pol in policies]
+        check_prompt_fits(p, arms, longest)
+    if args.compression is not None or FULL in args.policy:
+        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], args, p, stats)
+    if args.compression is not None:
+        mean_len, budgets = sweep_budgets([r for r in rf.rows if r["problem"] in ids], args.compression)
+        print(f"full attention: mean generation length {mean_len:.1f} tokens -> "
+              + ", ".join(f"{c:g}x: K={k}" for c, k in budgets.items()))
+        firsts = {k: c for c, k in reversed(list(budgets.items()))}  # two factors rounding to one K run once
+        arms = [Arm(pol, k, args.protect_prompt, c) for k, c in sorted(firsts.items(), reverse=True) for pol in policies]
+        check_prompt_fits(p, arms, longest)
+    run_arms(rf, model, tok, task, problems, prompts, arms, args, p, stats)
+    rows = [r for r in rf.rows if r["problem"] in ids and r["run"] < args.runs]
+    table = summarize(rows, seed=args.seed)
+    gains = protection_gains(rows, seed=args.seed)
+    print_summary(table, gains)
+    results = table_results(rows, task.name)
+    if any(m == "random" for m, _ in results):
+        print("\n" + comparison_table(results, reference="random", seed=args.seed)
+              + "(accuracy, and in brackets the difference from random; * = significant by both the paired bootstrap "
+                "CI and the exact sign test)")
+    paths = write_outputs(out, rows, table, gains, task.name)
+    warning = warn_uncompressed(table)
+    if warning:
+        print("\n" + warning)
+    print(f"\nrows: {out}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    if not args.no_figure:
+        from figures.accuracy import plot
+
+        for f in plot(out, args.figure_dir, problems=sorted(ids), runs=args.runs):
+            print(f"figure: {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

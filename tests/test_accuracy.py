@@ -1,0 +1,395 @@
+"""The accuracy harness: graders on hand cases, the task data paths, and ``probes.accuracy`` end to end on a tiny
+model with the real tokenizer (rows, resume, the length guard both ways, the compression sweep, errors)."""
+
+import json
+
+import pytest
+
+from probes import tasks
+from probes.tasks import Problem
+from randattn.testing import tiny_model
+
+# -- math grader --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so the answer is \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("nested: \\boxed{\\left(\\frac{\\sqrt{3}}{2}, \\{1\\}\\right)} done", "\\left(\\frac{\\sqrt{3}}{2}, \\{1\\}\\right)"),
+    ("first \\boxed{1}, then corrected: \\boxed{2}", "2"),
+    ("\\boxed{7} and then cut off \\boxed{\\frac{1}{", "7"),  # an unclosed last box falls back to the one before
+    ("the brace-less form \\boxed 5$", "5"),
+    ("\\fbox{x+1}", "x+1"),
+    ("no box at all: 42", None),
+])
+def test_last_boxed(text, expected):
+    assert tasks.last_boxed(text) == expected
+
+
+@pytest.mark.parametrize("pred,gold,same", [
+    ("0.5", "\\frac{1}{2}", True),
+    ("\\dfrac{3}{4}", "0.75", True),
+    ("\\sqrt{12}", "2\\sqrt{3}", True),
+    ("1+x^2", "x^2+1", True),
+    ("10.0", "10", True),
+    ("6", "5", False),
+    ("\\frac{1}{3}", "0.33", False),
+])
+def test_math_equal_uses_math_verify(pred, gold, same):
+    assert tasks.math_equal(pred, gold) is same
+
+
+def test_grade_math_reads_the_last_box_only():
+    prob = Problem("p", "q", "\\frac{1}{2}", "math")
+    right = tasks.grade_math("Try \\boxed{3}? No. Half of one is \\boxed{0.5}.", prob)
+    wrong = tasks.grade_math("It is \\boxed{0.5}... wait, \\boxed{3}.", prob)
+    none = tasks.grade_math("It is one half.", prob)
+    assert (right.score, right.extracted) == (1.0, "0.5")
+    assert (wrong.score, wrong.extracted) == (0.0, "3")
+    assert (none.score, none.extracted) == (0.0, None)
+
+
+# -- multiple choice ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,letter", [
+    ("Reasoning...\nAnswer: C", "C"),
+    ("so the correct answer is (B).", "B"),
+    ("\\boxed{D}", "D"),
+    ("\\boxed{\\text{A}}", "A"),
+    ("Answer: **B**", "B"),
+    ("Answer: A\nHmm, no. Answer: D", "D"),
+    ("The answer is a bit subtle, and I cannot decide.", None),
+    ("nothing here", None),
+])
+def test_choice_letter(text, letter):
+    assert tasks.choice_letter(text) == letter
+
+
+def test_choices_are_shuffled_deterministically_per_problem():
+    orders = {}
+    for pid in map(str, range(24)):
+        options, letter = tasks.shuffle_choices(pid, "right", ["w1", "w2", "w3"])
+        assert options[tasks.LETTERS.index(letter)] == "right"
+        assert tasks.shuffle_choices(pid, "right", ["w1", "w2", "w3"]) == (options, letter)
+        orders[pid] = letter
+    assert len(set(orders.values())) == 4  # the correct option does not always sit in one place
+
+
+def test_gpqa_rows_in_both_field_spellings_grade_the_letter():
+    task = tasks.get_task("gpqa_diamond")
+    hf = {"Record ID": "rec1", "Question": "Which?", "Correct Answer": "yes", "Incorrect Answer 1": "a",
+          "Incorrect Answer 2": "b", "Incorrect Answer 3": "c"}
+    plain = {"id": "rec1", "question": "Which?", "correct": "yes", "incorrect": ["a", "b", "c"]}
+    p1, p2 = tasks.problem_from_row(task, hf, 0), tasks.problem_from_row(task, plain, 0)
+    assert p1 == p2 and f"{p1.answer}) yes" in p1.prompt
+    assert tasks.grade_choice(f"Answer: {p1.answer}", p1).score == 1.0
+    wrong = next(x for x in "ABCD" if x != p1.answer)
+    assert tasks.grade_choice(f"Answer: {wrong}", p1).score == 0.0
+    with pytest.raises(tasks.TaskDataError, match="incorrect"):
+        tasks.problem_from_row(task, {"question": "q", "correct": "c"}, 3)
+
+
+# -- copy task ------------------------------------------------------------------------------------------
+
+
+def test_copy_problems_are_fixed_and_the_grader_reads_the_first_n_numbers():
+    prob = tasks.copy_problem(5)
+    assert prob == tasks.copy_problem(5) and prob != tasks.copy_problem(6)
+    nums = prob.answer.split(", ")
+    assert len(nums) == tasks.COPY_N and all(len(x) == 4 for x in nums) and prob.answer in prob.prompt
+    assert tasks.grade_copy(prob.answer + ", 1234, 5678 and more", prob).score == 1.0
+    assert tasks.grade_copy("The list is " + prob.answer.replace(", ", "\n"), prob).score == 1.0
+    one_wrong = [*nums[:3], "0000" if nums[3] != "0000" else "1111", *nums[4:]]
+    assert tasks.grade_copy(", ".join(one_wrong), prob).score == pytest.approx((tasks.COPY_N - 1) / tasks.COPY_N)
+    skipped = nums[:3] + nums[4:]  # a skipped number shifts everything after it
+    assert tasks.grade_copy(", ".join(skipped), prob).score < 0.5
+    assert tasks.grade_copy("12345, 99 " + prob.answer, prob).score == 1.0  # not four-digit: ignored
+    assert tasks.grade_copy("", prob).score == 0.0
+
+
+# -- data loading -------------------------------------------------------------------------------------
+
+
+def test_math500_without_data_names_both_options(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(tasks.TaskDataError) as err:
+        tasks.load_problems(tasks.get_task("math500"))
+    assert "--data FILE.jsonl" in str(err.value) and "HuggingFaceH4/MATH-500" in str(err.value)
+
+
+def test_data_file_is_read_and_checked(tmp_path):
+    task = tasks.get_task("math500")
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"id": "a", "problem": "What is 1/2 + 0?", "answer": "\\frac{1}{2}"}) + "\n"
+                    + json.dumps({"question": "2+2?", "answer": 4}) + "\n")
+    probs = tasks.load_problems(task, path)
+    assert [p.id for p in probs] == ["a", "1"] and probs[1].answer == "4"
+    assert tasks.MATH_INSTRUCTION in probs[0].prompt
+    path.write_text(json.dumps({"problem": "no answer"}) + "\n")
+    with pytest.raises(tasks.TaskDataError, match="'answer'"):
+        tasks.load_problems(task, path)
+    with pytest.raises(tasks.TaskDataError, match="no such file"):
+        tasks.load_problems(task, tmp_path / "missing.jsonl")
+
+
+def test_thinking_mode_is_switched_on_where_the_template_has_it():
+    class Tok:
+        chat_template = "{% if enable_thinking %}<think>{% endif %}"
+
+        def apply_chat_template(self, messages, **kw):
+            self.kw = kw
+            return {"input_ids": [1, 2]}
+
+    tok = Tok()
+    assert tasks.chat_ids(tok, "hi") == [1, 2] and tok.kw["enable_thinking"] is True
+    tok.chat_template = "{{ messages }}"
+    tasks.chat_ids(tok, "hi")
+    assert "enable_thinking" not in tok.kw
+
+
+# -- the harness end to end ---------------------------------------------------------------------------
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run(tiny_dir, tmp_path, *flags):
+    from probes import accuracy
+
+    out = tmp_path / "acc.jsonl"
+    code = accuracy.main(["--model", tiny_dir, "--task", "copy", "--out", str(out), "--figure-dir", str(tmp_path),
+                          "--buffer", "8", "--max-new-tokens", "40", *flags])
+    return code, out
+
+
+def test_harness_rows_resume_table_and_figure(tiny_dir, tmp_path, capsys):
+    flags = ["--policy", "full", "random", "recency", "--budget", "224", "--runs", "2"]
+    code, out = _run(tiny_dir, tmp_path, *flags, "--problems", "3")
+    assert code == 0
+    first = _rows(out)
+    assert len(first) == 3 * (1 + 2 + 1)  # full and recency once (greedy runs would be identical), random twice
+    assert {(r["policy"], r["run"]) for r in first} == {("full", 0), ("random", 0), ("random", 1), ("recency", 0)}
+    for r in first:
+        assert r["config"]["model"] == tiny_dir and r["config"]["buffer"] == 8 and r["prompt_len"] == 213
+        assert r["gen_len"] <= 40 and isinstance(r["terminated"], bool) and 0.0 <= r["grade"] <= 1.0
+        if r["policy"] == "full":
+            assert r["events"] == 0 and r["budget"] is None
+        else:
+            # K + r = 232 is reached 19 tokens into the answer, then a round every 8 tokens
+            assert r["budget"] == 224 and r["protect_prompt"] is True
+            assert r["events"] == r["cache_events"] == len(range(232, 213 + r["gen_len"] - 1, 8)) > 0
+            assert r["compressed"] is True
+    assert len({r["seed"] for r in first if r["policy"] == "random"}) == 2  # runs differ by eviction seed
+    text = capsys.readouterr().out
+    assert "WARNING" not in text and "verdict" in text and "| method | copy K=224 |" in text
+    for ext in (".summary.csv", ".table.csv", ".table.tex", ".table.md"):
+        assert out.with_suffix(ext).exists()
+    assert "\\begin{tabular}" in out.with_suffix(".table.tex").read_text()
+    assert (tmp_path / "accuracy.png").exists() and (tmp_path / "accuracy.pdf").exists()
+
+    assert _run(tiny_dir, tmp_path, *flags, "--problems", "4")[0] == 0  # resume: only problem 3 is new
+    rows = _rows(out)
+    assert rows[: len(first)] == first and len(rows) == 4 * 4
+    assert {r["problem"] for r in rows[len(first):]} == {"copy-3"}
+
+    assert _run(tiny_dir, tmp_path, "--policy", "random", "--budget", "224", "--runs", "2", "--problems", "4",
+                "--no-protect-prompt")[0] == 0  # score-only arm joins the same file
+    text = capsys.readouterr().out
+    assert "random (score only)" in text and "prompt protection gain, random K=224" in text
+    assert (out.with_suffix(".protection.csv")).exists()
+
+
+def test_seed_free_policies_keep_the_same_pairs_whatever_the_seed(tiny):
+    """Why SEED_FREE policies run once under greedy decoding: their keep-sets ignore the eviction seed."""
+    import torch
+
+    import randattn
+    from probes.accuracy import SEED_FREE
+
+    model = tiny("llama")
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def kept(policy, seed):
+        cache = randattn.EvictingCache(policy, budget=48, buffer=8, seed=seed)
+        out = randattn.generate(model, ids, cache, max_new_tokens=60, do_sample=False, pad_token_id=0)
+        assert cache.total_events > 0
+        return out, [cache.positions(i) for i in range(len(cache.layers))]
+
+    for policy in sorted(SEED_FREE - {"triattention"}) + ["random"]:
+        (out0, pos0), (out1, pos1) = kept(policy, 0), kept(policy, 1)
+        same = torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(pos0, pos1))
+        assert same is (policy != "random"), policy
+
+
+def test_budget_sweep_puts_every_k_in_one_file(tiny_dir, tmp_path, capsys):
+    code, out = _run(tiny_dir, tmp_path, "--policy", "random", "recency", "--budget", "224", "240", "--runs", "1",
+                     "--problems", "2", "--no-figure")
+    assert code == 0
+    rows = _rows(out)
+    assert {(r["policy"], r["budget"]) for r in rows} == {(p, k) for p in ("random", "recency") for k in (224, 240)}
+    for r in rows:  # the first round fires at K + r, then every r tokens
+        assert r["events"] == len(range(r["budget"] + 8, 213 + r["gen_len"] - 1, 8))
+    assert "| method | copy K=224 | copy K=240 |" in capsys.readouterr().out
+
+
+def test_rows_count_only_the_rounds_that_ran_while_they_generated():
+    """A row that stopped early shares the cache with rows that go on: its events stop at its own end."""
+    from probes import accuracy
+
+    class Tok:
+        eos_token_id, pad_token_id = 0, 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    class Layer:
+        round_lengths = [20, 24, 28, 32]
+
+    class Cache:
+        layers, events = [Layer()], [4]
+
+    rows = accuracy.rows_of([[5, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # EOS at position 18
+                             [5] * 18], prompt_len=16, cache=Cache(), tok=Tok(), stop={0})
+    # row 0's tokens end at position 18, so no round (the first at length 20) shaped it; row 1 ends at 33
+    assert [(r["gen_len"], r["terminated"], r["events"]) for r in rows] == [(3, True, 0), (18, False, 4)]
+
+
+def test_length_guard_flags_rows_that_never_evicted(tiny_dir, tmp_path, capsys):
+    code, out = _run(tiny_dir, tmp_path, "--policy", "random", "--budget", "400", "--runs", "1", "--problems", "2",
+                     "--no-figure")
+    assert code == 0
+    rows = _rows(out)
+    assert rows and all(r["events"] == 0 and r["compressed"] is False for r in rows)
+    text = capsys.readouterr().out
+    assert "WARNING" in text and "FULL ATTENTION, not compression" in text and "random K=400: 2" in text
+
+
+def test_compression_sweep_sets_k_from_full_attention_length(tiny_dir, tmp_path):
+    code, out = _run(tiny_dir, tmp_path, "--policy", "random", "--compression", "2", "8", "--no-protect-prompt",
+                     "--runs", "1", "--problems", "2", "--max-new-tokens", "48", "--no-figure")
+    assert code == 0
+    rows = _rows(out)
+    full = [r for r in rows if r["policy"] == "full"]
+    assert len(full) == 2  # run first, because the sweep needs it
+    mean = sum(r["gen_len"] for r in full) / len(full)
+    sweep = {r["compression"]: r["budget"] for r in rows if r["policy"] == "random"}
+    assert sweep == {2.0: round(mean / 2), 8.0: round(mean / 8)}
+    assert all(r["events"] > 0 for r in rows if r["policy"] == "random")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--policy", "nope"], "--policy"),
+    (["--task", "nope"], "--task"),
+    (["--budget", "300", "--compression", "2"], "--compression"),
+    (["--policy", "random", "--budget", "100"], "--no-protect-prompt"),  # cannot hold the 213-token prompt
+    (["--policy", "random", "--compression", "4"], "--compression 4"),
+    (["--policy-option", "h2o:nope=1"], "--policy-option"),
+    (["--policy-option", "h2o-recent"], "POLICY:KEY=VALUE"),
+    (["--policy", "triattention"], "--stats"),
+    (["--task", "math500", "--policy", "random"], "--data FILE.jsonl"),
+    (["--task", "copy", "--data", "x.jsonl"], "--data"),
+    (["--runs", "0"], "positive integer"),
+])
+def test_bad_flags_name_the_flag_and_the_fix(tiny_dir, tmp_path, capsys, monkeypatch, flags, message):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(SystemExit):
+        _run(tiny_dir, tmp_path, "--problems", "2", "--runs", "1", *flags)
+    assert message in capsys.readouterr().err
+
+
+def test_math_task_from_a_data_file_runs_and_grades(tiny_dir, tmp_path):
+    from probes import accuracy
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("\n".join(json.dumps({"id": f"m{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)})
+                              for i in range(3)) + "\n")
+    out = tmp_path / "m.jsonl.out"
+    assert accuracy.main(["--model", tiny_dir, "--task", "math500", "--data", str(data), "--policy", "full", "random",
+                          "--budget", "60", "--buffer", "4", "--runs", "1", "--max-new-tokens", "12", "--out",
+                          str(out), "--no-figure"]) == 0
+    rows = _rows(out)
+    assert {r["problem"] for r in rows} == {"m0", "m1", "m2"} and all(r["grade"] in (0.0, 1.0) for r in rows)
+    assert all(r["config"]["data"] for r in rows) and all(r["answer"] == str(2 * int(r["problem"][1:])) for r in rows)
+
+
+def test_summary_pairs_each_arm_with_random_by_problem():
+    from probes.accuracy import summarize, table_results
+
+    def row(policy, problem, run, grade, protect=True):
+        return {"policy": policy, "budget": None if policy == "full" else 64, "protect_prompt": None if policy == "full"
+                else protect, "problem": problem, "run": run, "grade": grade, "gen_len": 10, "terminated": True,
+                "events": 0 if policy == "full" else 3, "compressed": policy != "full"}
+
+    rows = [row("random", f"p{i}", j, 1.0 if i < 12 else 0.0) for i in range(20) for j in range(2)]
+    rows += [row("snapkv", f"p{i}", j, 0.0) for i in range(20) for j in range(2)]
+    rows += [row("full", f"p{i}", 0, 1.0) for i in range(20)]
+    table = {t["method"]: t for t in summarize(rows, n_resamples=2000)}
+    assert table["random"]["accuracy"] == pytest.approx(0.6) and "delta" not in table["random"]
+    snap = table["snapkv"]
+    assert snap["delta"] == pytest.approx(-0.6) and (snap["wins"], snap["losses"], snap["ties"]) == (0, 12, 8)
+    assert snap["verdict"] == "worse" and snap["p_sign"] == pytest.approx(2 * 0.5 ** 12)
+    assert table["full"]["verdict"] == "better" and table["full"]["delta"] == pytest.approx(0.4)
+    results = table_results(rows, "copy")
+    assert set(results) == {("full", "copy K=64"), ("random", "copy K=64"), ("snapkv", "copy K=64")}
+    # score-only arms get their own column, compared with score-only Random
+    rows += [row("random", f"p{i}", 0, 0.0, protect=False) for i in range(20)]
+    rows += [row("snapkv", f"p{i}", 0, 1.0 if i < 15 else 0.0, protect=False) for i in range(20)]
+    table = {t["method"]: t for t in summarize(rows, n_resamples=2000)}
+    assert table["snapkv (score only)"]["vs"] == "random (score only)"
+    assert table["snapkv (score only)"]["delta"] == pytest.approx(0.75)
+    results = table_results(rows, "copy")
+    assert set(results) == {(m, c) for m in ("full", "random", "snapkv") for c in ("copy K=64", "copy K=64 score only")}
+    assert results[("snapkv", "copy K=64 score only")]["p0"] == [1.0]
+
+
+@pytest.mark.slow
+def test_full_attention_solves_the_embedded_copy_task(embedded):
+    import torch
+
+    import randattn
+
+    model, tok = embedded
+    task = tasks.get_task("copy")
+    probs = tasks.load_problems(task, limit=2)
+    ids = torch.tensor([tasks.chat_ids(tok, p.prompt) for p in probs])
+    cache = randattn.EvictingCache("random", budget=ids.shape[1] + task.max_new_tokens + 1, buffer=1,
+                                   protect_prompt=False)
+    out = randattn.generate(model, ids, cache, max_new_tokens=task.max_new_tokens, do_sample=False,
+                            pad_token_id=tok.eos_token_id)
+    assert cache.total_events == 0  # really full attention
+    grades = [task.grade(tok.decode(o[ids.shape[1]:], skip_special_tokens=True), p).score for o, p in zip(out, probs)]
+    assert sum(grades) / len(grades) >= 0.9, grades
+
+
+def test_accuracy_figure_plots_the_rows(monkeypatch, tmp_path):
+    import figures.style
+    from figures.accuracy import plot
+
+    cfg = {"model": "m", "task": "copy", "buffer": 16}
+
+    def rows(random_grade):
+        out = [{"policy": "full", "budget": None, "protect_prompt": None, "problem": f"p{i}", "run": 0, "grade": 1.0,
+                "task": "copy", "config": cfg} for i in range(6)]
+        for pol, grade in (("random", random_grade), ("snapkv", 0.25)):
+            for protect in (True, False):
+                out += [{"policy": pol, "budget": 256, "protect_prompt": protect, "problem": f"p{i}", "run": j,
+                         "grade": grade if protect else 0.0, "task": "copy", "config": cfg}
+                        for i in range(6) for j in range(2)]
+        return out
+
+    def plotted(grade):
+        path = tmp_path / f"rows{grade}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows(grade)))
+        points = []
+        real = figures.style.errorbar
+        monkeypatch.setattr(figures.style, "errorbar",
+                            lambda ax, x, est, **kw: (points.append(round(est.value, 6)), real(ax, x, est, **kw))[1])
+        files = plot(path, tmp_path, name=f"acc{grade}")
+        assert all(f.exists() for f in files)
+        return sorted(points)
+
+    assert plotted(0.5) == [0.0, 0.0, 0.25, 0.5]
+    assert plotted(0.75) == [0.0, 0.0, 0.25, 0.75]
