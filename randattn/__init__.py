@@ -19,7 +19,7 @@ from .models import (
     load_model,
     resolve_device,
 )
-from .policies import CacheView, Policy, known_policies, make_policy, register_policy
+from .policies import CacheView, Policy, known_policies, load_policy, make_policy, register_policy, score_function
 from . import selectors  # noqa: F401  (registers h2o, snapkv, rkv, vase)
 from . import triattention  # noqa: F401  (registers triattention)
 from .triattention import TriAttentionStats, check_stats, load_stats
@@ -35,6 +35,8 @@ __all__ = [
     "register_policy",
     "make_policy",
     "known_policies",
+    "load_policy",
+    "score_function",
     "load_model",
     "DEFAULT_MODEL",
     "resolve_device",

@@ -18,8 +18,12 @@ draw shared by every head) and higher means "keep". The top ``K`` of every head 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +34,8 @@ __all__ = [
     "register_policy",
     "make_policy",
     "known_policies",
+    "load_policy",
+    "score_function",
     "RandomPolicy",
     "RandomSharedPolicy",
     "RecencyPolicy",
@@ -118,18 +124,86 @@ def known_policies() -> list[str]:
 
 
 class _FunctionPolicy(Policy):
-    """Wraps a plain ``score(view) -> Tensor`` callable."""
+    """Wraps a plain ``score(view) -> Tensor`` callable; its ``needs`` and ``window`` attributes (set by
+    :func:`score_function`) ask the cache for recent queries or accumulated attention."""
 
-    def __init__(self, fn: Callable[[CacheView], torch.Tensor]):
+    def __init__(self, fn: Callable[[CacheView], torch.Tensor], name: Optional[str] = None):
         self.fn = fn
-        self.name = getattr(fn, "__name__", "function")
+        self.name = name or getattr(fn, "__name__", "function")
+        self.needs = frozenset(getattr(fn, "needs", ()))
+        self.window = int(getattr(fn, "window", 0))
+        unknown = self.needs - {"queries", "attention"}
+        if unknown:
+            raise ValueError(f"score function {self.name!r}: needs {sorted(unknown)} unknown; use 'queries' and/or "
+                             "'attention'")
+        if "queries" in self.needs and self.window < 1:
+            raise ValueError(f"score function {self.name!r} needs 'queries' but window={self.window}; say how many "
+                             "recent queries it reads, e.g. @score_function(needs=('queries',), window=32)")
 
     def score(self, view: CacheView) -> torch.Tensor:
         return self.fn(view)
 
 
+def score_function(*, needs: "tuple[str, ...]" = (), window: int = 0):
+    """Mark a plain ``score(view)`` function as wanting ``view.queries`` (the last ``window`` post-RoPE queries)
+    and/or ``view.attention`` (attention received, accumulated over decoding)::
+
+        @randattn.score_function(needs=("queries",), window=16)
+        def my_score(view): ...
+    """
+
+    def deco(fn):
+        fn.needs, fn.window = tuple(needs), window
+        return fn
+
+    return deco
+
+
+def load_policy(spec: str, **kwargs) -> Policy:
+    """A policy defined outside the package: ``"module:attr"`` or ``"path/to/file.py:attr"``, where ``attr`` is a
+    score function, a :class:`Policy` subclass (built with ``kwargs``) or a Policy instance. The policy is named
+    ``spec``, so results say where it came from."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ValueError(f"policy {spec!r}: expected a known name ({', '.join(known_policies())}) or MODULE:CALLABLE, "
+                         "e.g. my_selector:score or path/to/my_selector.py:score")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.exists():
+                raise ValueError(f"policy {spec!r}: no file {where}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and "." not in sys.path:
+                sys.path.insert(0, "")  # a module next to the user's working directory, as `python -m` would find it
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"policy {spec!r}: cannot import {where!r} ({type(exc).__name__}: {exc}); put the module on "
+                         "PYTHONPATH or give a file path, e.g. path/to/my_selector.py:score") from exc
+    if not hasattr(module, attr):
+        found = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(f"policy {spec!r}: {where} has no {attr!r}; callables there: {', '.join(found) or 'none'}")
+    target = getattr(module, attr)
+    if isinstance(target, type) and issubclass(target, Policy):
+        policy = target(**kwargs)
+    elif isinstance(target, Policy) or callable(target):
+        if kwargs:
+            raise ValueError(f"policy {spec!r}: options {sorted(kwargs)} need a Policy subclass; a score function or "
+                             "instance takes none")
+        policy = target if isinstance(target, Policy) else _FunctionPolicy(target)
+    else:
+        raise ValueError(f"policy {spec!r}: {attr} is a {type(target).__name__}, not a score function or Policy")
+    policy.name = spec
+    return policy
+
+
 def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kwargs) -> Policy:
-    """Turn a policy name, instance or score function into a :class:`Policy`.
+    """Turn a policy name, ``"module:callable"`` spec (see :func:`load_policy`), instance or score function into a
+    :class:`Policy`.
 
     Keyword arguments go to the named policy's constructor (e.g. ``n_sink=4`` for
     ``"streamingllm"``); unknown names and unknown keywords raise a ``ValueError`` that lists
@@ -140,6 +214,8 @@ def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kw
             raise ValueError(f"policy options {sorted(kwargs)} given with a Policy instance; set them on the instance")
         return spec
     if isinstance(spec, str):
+        if spec not in _REGISTRY and ":" in spec:
+            return load_policy(spec, **kwargs)
         if spec not in _REGISTRY:
             raise ValueError(f"unknown policy {spec!r}; known policies: {', '.join(known_policies())}")
         cls = _REGISTRY[spec]
