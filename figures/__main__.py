@@ -33,6 +33,7 @@ FIGURES = {
                           "python -m probes.prompt_protection"),
     "shared_draw": ("figures.shared_draw:plot", R / "shared_draw/summary-smollm2-135m-K256-r16-s0.csv",
                     "python -m probes.shared_draw"),
+    "accuracy": ("figures.accuracy:plot", R / "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl", "python -m probes.accuracy"),
     "bench_decode": ("figures.bench:plot_decode", R / "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", R / "bench/round_cost.json", "python -m bench.round_cost"),
 }

@@ -46,8 +46,7 @@ def _full_line(ax, grades: dict) -> None:
         ax.axhspan(est.lo, est.hi, color="gray", alpha=0.12, lw=0)
 
 
-def _one_budget(ax, grades: dict, policies: list[str]) -> None:
-    budget = next((k[1] for k in grades if k[0] != "full"), None)
+def _one_budget(ax, grades: dict, policies: list[str], budget: int) -> None:
     for protect, dx, face, label in ((True, -0.15, None, "+ prompt protection"), (False, 0.15, "white", "score only")):
         if any(k[2] is protect for k in grades):
             ax.plot([], [], "o", color="black", mfc=face, label=label)  # legend entry in neutral colour
@@ -72,11 +71,15 @@ def _sweep(ax, grades: dict, policies: list[str]) -> None:
         ests = [_accuracy(grades[k]) for _, k in pts]
         xs = [b for b, _ in pts]
         color = style.PALETTE[i % len(style.PALETTE)]
-        ax.plot(xs, [e.value for e in ests], "-", color=color, label=pol, lw=2 if pol == "random" else 1)
+        marker = "os^vD<>pX*"[i % 10]  # the palette has 10 colours; markers keep lines apart in grey print
+        ax.plot(xs, [e.value for e in ests], "-", marker=marker, ms=4, color=color, label=pol,
+                lw=2.2 if pol == "random" else 1)
         for x, e in zip(xs, ests):
             style.errorbar(ax, x, e, color=color, ms=3)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget K (pairs per KV head)")
+    ax.set_xticks(sorted({k[1] for k in grades if k[0] != "full"}))
+    ax.get_xaxis().set_major_formatter("{x:.0f}")
+    ax.set_xlabel("budget K (pairs per KV head), prompt protected")
 
 
 def plot(results_path: "str | Path", out_dir=None, name: str = "accuracy", *, problems: Optional[list] = None,
@@ -92,14 +95,22 @@ def plot(results_path: "str | Path", out_dir=None, name: str = "accuracy", *, pr
     grades = _grades(rows)
     policies = list(dict.fromkeys(k[0] for k in sorted(grades, key=lambda k: (k[0] != "random", k[0]))
                                   if k[0] != "full"))
-    budgets = {k[1] for k in grades if k[0] != "full"}
+    budgets = sorted({k[1] for k in grades if k[0] != "full"})
+    # The policy panel shows the budget where both protection modes ran (else the smallest); a sweep adds a panel.
+    both = [b for b in budgets if {True, False} <= {k[2] for k in grades if k[1] == b}]
+    first = (both or budgets or [None])[0]
     style.apply()
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.75 * len(policies) + 3), 4.2))
-    (_one_budget if len(budgets) <= 1 else _sweep)(ax, grades, policies)
-    _full_line(ax, grades)
-    ax.set_ylabel(f"accuracy ({rows[0]['task']})")
-    ax.set_ylim(0, 1.08)
-    ax.legend(fontsize=8, loc="lower left")
+    width = max(6.5, 0.75 * len(policies) + 3)
+    fig, axes = plt.subplots(1, 2 if len(budgets) > 1 else 1, figsize=(width + (5 if len(budgets) > 1 else 0), 4.2),
+                             squeeze=False, gridspec_kw={"width_ratios": [width, 5][:1 + (len(budgets) > 1)]})
+    _one_budget(axes[0, 0], grades, policies, first)
+    if len(budgets) > 1:
+        _sweep(axes[0, 1], grades, policies)
+    for ax in axes[0]:
+        _full_line(ax, grades)
+        ax.set_ylabel(f"accuracy ({rows[0]['task']})")
+        ax.set_ylim(0, 1.08)
+        ax.legend(fontsize=7 if ax is not axes[0, 0] else 8, loc="lower left" if ax is axes[0, 0] else "lower right")
     c = rows[0]["config"]
     n_prob = len({r["problem"] for r in rows})
     n_runs = len({r["run"] for r in rows})

@@ -297,8 +297,8 @@ def _hf_rows(task: Task) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise TaskDataError(f"--task {task.name}: loading {where} needs the `datasets` package (pip install datasets), "
-                            f"or {alternative}") from None
+        raise TaskDataError(f"--task {task.name}: loading {where} needs the `datasets` package (pip install "
+                            f"'randattn[tasks]'), or {alternative}") from None
     try:
         ds = datasets.load_dataset(src.path, src.name, split=src.split)
     except Exception as exc:  # offline, gated, renamed: all mean "not here"
