@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 import randattn
 from randattn.stats import comparison_table, mean_ci, paired_comparison, per_problem_means
 
-from .common import base_parser, positive_int
+from .common import base_parser, check_policies, positive_int
 from .passcode import POLICIES
 from .planted_run import write_csv
 from .results import REPO_ROOT, ResultsFile, git_revision
@@ -112,9 +112,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad flag combinations with a message naming the flag and the fix."""
     if args.task not in TASKS:
         p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
-    unknown = [x for x in args.policy if x != FULL and x not in randattn.known_policies()]
-    if unknown:
-        p.error(f"--policy {unknown} unknown; choose from {FULL}, {', '.join(randattn.known_policies())}")
+    check_policies(p, "--policy", args.policy, extra=(FULL,))
     if args.compression is not None and args.budget is not None:
         p.error("--budget and --compression both set K; pass one of them")
     if args.compression is not None and any(c <= 0 for c in args.compression):

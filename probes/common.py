@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
+
+import randattn
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -39,3 +43,28 @@ def ranges(sorted_positions) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev > start else f"{start}")
     return ", ".join(out)
+
+
+def check_policies(parser: argparse.ArgumentParser, flag: str, names, *, extra=()) -> None:
+    """Every name is a registered policy or a loadable ``MODULE:CALLABLE`` selector (see ``randattn.load_policy``);
+    otherwise stop with a usage error naming ``flag``. ``extra``: other accepted words, such as ``full``."""
+    known = randattn.known_policies()
+    for name in names:
+        if name in extra or name in known:
+            continue
+        if ":" not in name:
+            words = ", ".join([*extra, *known])
+            parser.error(f"{flag} {name!r} is unknown; choose from {words}, or give your own selector as "
+                         "MODULE:CALLABLE (e.g. my_selector:score)")
+        try:
+            randattn.load_policy(name)
+        except (ValueError, TypeError) as exc:
+            parser.error(f"{flag}: {exc}")
+
+
+def policy_slug(name: str) -> str:
+    """A file-name-safe policy name: ``my_selector:score`` -> ``my_selector.score``, ``dir/sel.py:f`` -> ``sel.f``."""
+    where, sep, attr = name.rpartition(":")
+    if sep:
+        name = f"{Path(where).stem if where.endswith('.py') else where}.{attr}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)

@@ -15,7 +15,7 @@ import torch
 
 import randattn
 
-from .common import base_parser, positive_int, ranges
+from .common import base_parser, check_policies, positive_int, ranges
 
 DEFAULT_PROMPT = (
     "A baker sells muffins for $3 and cookies for $2. On Monday she sells 14 muffins and twice as many "
@@ -34,8 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--layers", default="0,15,-1", help="layers whose per-head evictions are printed")
     args = p.parse_args(argv)
-    if args.policy not in randattn.known_policies():
-        p.error(f"--policy {args.policy!r} is unknown; choose one of {', '.join(randattn.known_policies())}")
+    check_policies(p, "--policy", [args.policy])
 
     model, tok = randattn.load_model(args.model, device=args.device)
     msgs = [{"role": "user", "content": args.prompt}]

@@ -21,11 +21,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-
-import randattn
 from randattn.stats import mean_ci
 
-from .common import positive_int
+from .common import check_policies, policy_slug, positive_int
 from .planted import Condition
 from .planted_run import PAPER, describe, lp_table, planted_parser, run_conditions, setup, write_csv
 
@@ -76,7 +74,7 @@ def run_policies(args, parser, policies, base_dir: Path, loaded=None, references
     for policy in policies:
         sub = argparse.Namespace(**{**vars(args), "policy": policy, "out": None})
         s = setup("passcode", sub, parser, loaded=loaded, extra_config={"rounds": args.rounds},
-                  out=base_dir / f"{policy}.jsonl" if args.out else None,
+                  out=base_dir / f"{policy_slug(policy)}.jsonl" if args.out else None,
                   builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False})
         if loaded is None:
             print(describe(s).replace(f"distance {args.distance}", f"{args.rounds} rounds"))
@@ -109,9 +107,7 @@ def main(argv=None) -> int:
     if args.paper:
         args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
         args.paper = False  # the distance comes from --rounds, not from the planted probe's geometry
-    unknown = [x for x in args.policies if x not in randattn.known_policies()]
-    if unknown:
-        p.error(f"--policies {unknown} unknown; choose from {', '.join(randattn.known_policies())}")
+    check_policies(p, "--policies", args.policies)
     base_dir = Path(args.out) if args.out else Path("data/results/passcode")
     rows_by_policy = run_policies(args, p, args.policies, base_dir)
     table = compare(rows_by_policy, seed=args.seed)

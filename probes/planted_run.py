@@ -22,7 +22,7 @@ import randattn
 from randattn.stats import Estimate, mean_ci, recall_ci
 from randattn.traces import load_traces
 
-from .common import base_parser, positive_int
+from .common import base_parser, check_policies, policy_slug, positive_int
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import REPO_ROOT, ResultsFile, git_revision
 
@@ -89,8 +89,7 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
     if args.paper:
         for k, v in PAPER.items():
             setattr(args, k, v)
-    if args.policy not in randattn.known_policies():
-        parser.error(f"--policy {args.policy!r} is unknown; choose one of {', '.join(randattn.known_policies())}")
+    check_policies(parser, "--policy", [args.policy])
     policy_options = dict(policy_options or {})
     if args.policy == "triattention" and args.model is None:
         policy_options.setdefault("stats", randattn.DEFAULT_MODEL)
@@ -134,7 +133,7 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
 def _slug(config: dict) -> str:
     model = Path(str(config["model"])).name.replace("/", "_")
     extra = "".join(f"-{k}{v}" for k, v in config["policy_options"].items())
-    return (f"{model}-{config['policy']}{extra}-K{config['budget']}-r{config['buffer']}-d{config['distance']}"
+    return (f"{model}-{policy_slug(config['policy'])}{extra}-K{config['budget']}-r{config['buffer']}-d{config['distance']}"
             f"-s{config['seed']}" + ("-pp" if config["protect_prompt"] else ""))
 
 

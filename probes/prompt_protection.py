@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 import randattn
 from randattn.stats import mean_ci
 
-from .common import base_parser, positive_int
+from .common import base_parser, check_policies, positive_int
 from .passcode import POLICIES
 from .planted_run import DEFAULT_TRACES, write_csv
 from .results import REPO_ROOT, ResultsFile, git_revision
@@ -99,9 +99,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.paper:
         args.budget, args.buffer, args.body = 1024, 64, 2048
-    unknown = [x for x in args.policies if x not in randattn.known_policies()]
-    if unknown:
-        p.error(f"--policies {unknown} unknown; choose from {', '.join(randattn.known_policies())}")
+    check_policies(p, "--policies", args.policies)
     traces = Path(args.traces) if args.traces else DEFAULT_TRACES
     try:
         rows = load_rows(traces)

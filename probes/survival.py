@@ -34,7 +34,7 @@ from randattn import keepstats
 from randattn.keepstats import SurvivalCurve
 from randattn.traces import load_traces
 
-from .common import base_parser, positive_int
+from .common import base_parser, check_policies, positive_int
 from .results import REPO_ROOT, ResultsFile, git_revision
 
 DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
@@ -311,9 +311,7 @@ def main(argv=None) -> int:
         args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
     args.age_bin = args.age_bin or args.buffer
     policies = args.policies or randattn.known_policies()
-    unknown = [x for x in policies if x not in randattn.known_policies()]
-    if unknown:
-        p.error(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(randattn.known_policies())}")
+    check_policies(p, "--policies", policies)
     modes = list(dict.fromkeys(args.modes))
     options = {pol: _policy_options(pol, args, p) for pol in policies}
     traces = Path(args.traces) if args.traces else DEFAULT_TRACES

@@ -97,3 +97,24 @@ def test_options_need_a_policy_class_and_queries_need_a_window(selector_file):
         randattn.make_policy(no_window)
     with pytest.raises(ValueError, match="unknown"):
         randattn.make_policy(randattn.score_function(needs=("gradients",))(no_window))
+
+
+def test_probes_take_a_selector_spec_and_name_files_after_it(selector_file, tiny_dir, tmp_path, capsys):
+    import json
+
+    from probes import passcode
+    from probes.common import policy_slug
+
+    assert policy_slug("my_selector:newest") == "my_selector.newest" and policy_slug("a/b/sel.py:f") == "sel.f"
+    assert passcode.main(["--model", tiny_dir, "--out", str(tmp_path), "--no-figure", "--instances", "2",
+                          "--batch", "2", "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "3",
+                          "--policies", "random", "my_selector:newest"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "my_selector.newest.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["config"]["policy"] == "my_selector:newest" for r in rows)
+    assert "my_selector:newest" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        passcode.main(["--model", tiny_dir, "--out", str(tmp_path), "--policies", "my_selector:missing"])
+    assert "--policies: policy 'my_selector:missing'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        passcode.main(["--model", tiny_dir, "--out", str(tmp_path), "--policies", "randomm"])
+    assert "MODULE:CALLABLE" in capsys.readouterr().err
