@@ -1,0 +1,180 @@
+"""What every benchmark shares: flags, the prompt, one timed generation, KV byte accounting, result files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import randattn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from probes.common import base_parser, check_policies, positive_int  # noqa: E402,F401  (re-exported for the scripts)
+
+PROMPT = "Solve step by step: a train travels 180 km in 2.5 hours, then 120 km in 1.5 hours. What is its average speed?"
+
+
+def bench_parser(doc: str, *, new_tokens: int = 4096, budget: int = 1024, buffer: int = 64) -> argparse.ArgumentParser:
+    """The probes' common flags plus the ones every benchmark takes; defaults are the paper's geometry."""
+    p = base_parser(doc)
+    p.add_argument("--new-tokens", type=positive_int, default=new_tokens, help="tokens generated per sequence")
+    p.add_argument("--budget", type=positive_int, default=budget, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--buffer", type=positive_int, default=buffer, help="r: new pairs between rounds")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    return p
+
+
+def add_stats_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stats", default=None,
+                   help="TriAttention statistics file (default: the embedded model's, which ship with the package)")
+
+
+def policy_options(p: argparse.ArgumentParser, args, policies) -> dict:
+    """``{policy: options}``: TriAttention gets its calibration statistics, the others nothing."""
+    opts = {name: {} for name in policies}
+    if "triattention" in opts:
+        stats = getattr(args, "stats", None) or (randattn.DEFAULT_MODEL if args.model is None else None)
+        if stats is None:
+            p.error("--policies includes triattention, which needs statistics of --model: pass --stats FILE (make it "
+                    f"with `python -m randattn.calibrate --model {args.model} --out stats.pt`) or leave it out")
+        opts["triattention"] = {"stats": randattn.load_stats(stats)}  # loaded once, shared by every run
+    return opts
+
+
+def setup(args):
+    """Threads, then the model and the chat-templated benchmark prompt ``[1, P]`` on the model's device."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = randattn.load_model(args.model, device=args.device)
+    msgs = [{"role": "user", "content": PROMPT}]
+    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    prompt = prompt.to(model.device)
+    warm_up(model, prompt)
+    return model, tok, prompt
+
+
+def warm_up(model, prompt) -> None:
+    """A few untimed steps first, so one-off costs (allocator, kernel selection) land in no arm's timing."""
+    from transformers import DynamicCache
+
+    randattn.generate(model, prompt, randattn.EvictingCache("random", budget=prompt.shape[1] + 1, buffer=2),
+                      max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=DynamicCache(), max_new_tokens=8,
+                   min_new_tokens=8, do_sample=False)
+
+
+def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:
+    total = prompt_len + args.new_tokens
+    if total < args.budget + args.buffer:
+        p.error(f"{total} tokens never reach K + r = {args.budget + args.buffer}: no eviction would run; "
+                "raise --new-tokens or lower --budget")
+    if args.budget <= prompt_len:
+        p.error(f"--budget {args.budget} cannot hold the protected {prompt_len}-token prompt plus one free slot; "
+                f"use --budget >= {prompt_len + 1}")
+
+
+# -- KV memory --------------------------------------------------------------------------------------
+def kv_bytes_per_position(model) -> int:
+    """Key + value bytes one token adds to one sequence's cache over all layers (from the model's shape)."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def kv_bytes(cache) -> int:
+    """K and V bytes a cache holds: the evicting cache's own count (room for K + r), or HF DynamicCache's tensors."""
+    if isinstance(cache, randattn.EvictingCache):
+        return cache.kv_bytes()
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+
+
+class _PeakKV:
+    """A stopping criterion that never stops: it reads the cache's KV bytes after every step."""
+
+    def __init__(self, cache):
+        self.cache, self.peak = cache, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.peak = max(self.peak, kv_bytes(self.cache))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+# -- one timed generation ---------------------------------------------------------------------------
+def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=None, track_peak=False) -> dict:
+    """Generate ``new_tokens`` for every row of ``ids`` (greedy, EOS ignored) and measure it.
+
+    ``policy=None``: HF DynamicCache (full attention). ``track_peak`` reads the KV bytes after every
+    step (``kv_bytes_peak``); it stays off for throughput runs so that nothing but decoding is timed.
+    """
+    from transformers import DynamicCache, StoppingCriteriaList
+
+    cache = DynamicCache() if policy is None else randattn.EvictingCache(policy, budget=budget, buffer=buffer,
+                                                                         seed=seed, **(options or {}))
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    peak = _PeakKV(cache) if track_peak else None
+    if peak is not None:
+        kwargs["stopping_criteria"] = StoppingCriteriaList([peak])
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if policy is None:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kwargs)
+    else:
+        out = randattn.generate(model, ids, cache, **kwargs)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    row = {
+        "policy": policy or "full",
+        "batch": ids.shape[0],
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": out.shape[1] - ids.shape[1],
+        "seconds": seconds,
+        "tokens_per_s": generated / seconds,
+        "kv_bytes_end": kv_bytes(cache),
+    }
+    if peak is not None:
+        row["kv_bytes_peak"] = peak.peak
+    if policy is not None:
+        row.update(
+            budget=budget,
+            buffer=buffer,
+            rounds_per_layer=cache.events[0],
+            rounds_all_layers_equal=len(set(cache.events)) == 1,
+            round_seconds=cache.round_seconds,
+            round_share=cache.round_seconds / seconds,
+            ms_per_round=1e3 * cache.round_seconds / max(1, cache.total_events),
+            pairs_per_head_end=cache.physical_length(0),
+        )
+    return row
+
+
+# -- results ----------------------------------------------------------------------------------------
+def meta(args, model, **extra) -> dict:
+    """Where and how a result was measured; every benchmark's JSON starts with it."""
+    return {
+        "model": args.model or randattn.DEFAULT_MODEL,
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO_ROOT).stdout.strip(),
+        **extra,
+    }
+
+
+def write_results(path, meta_: dict, rows: list) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta_, "rows": rows}, indent=1))
+    return path
