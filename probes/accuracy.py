@@ -402,7 +402,8 @@ def repo_relative(path: Optional[str]) -> Optional[str]:
     return str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)
 
 
-def main(argv=None) -> int:
+def main(argv=None, loaded=None) -> int:
+    """The command line; ``loaded=(model, tokenizer)`` reuses a loaded model (``--model`` still names it)."""
     p = accuracy_parser()
     args = p.parse_args(argv)
     check_args(p, args)
@@ -415,7 +416,7 @@ def main(argv=None) -> int:
         problems = load_problems(task, args.data, args.problems or task.problems)
     except TaskDataError as exc:
         p.error(str(exc))
-    model, tok = randattn.load_model(args.model, device=args.device)
+    model, tok = loaded or randattn.load_model(args.model, device=args.device)
     model_name = args.model or randattn.DEFAULT_MODEL
     stats = args.stats or (randattn.DEFAULT_MODEL if args.model is None else None)
     prompts = [chat_ids(tok, prob.prompt) for prob in problems]

@@ -22,6 +22,7 @@ import random
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -82,6 +83,32 @@ class Tasks:
         return ids, self.prompt_len + self.body + self.prefix_len
 
 
+def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *, budget: int, buffer: int,
+              seed: int, options: Optional[dict] = None) -> list[dict]:
+    """Replay instances ``idx`` under one policy (``"full"``: no eviction); one row per instance with the digit
+    accuracy and mean log-prob of the restated question."""
+    built = [tasks.build(k) for k in idx]
+    ids = torch.tensor([b[0] for b in built], device=model.device)
+    score_from = built[0][1]
+    if policy == "full":
+        cache = randattn.EvictingCache("random", budget=ids.shape[1] + 1, buffer=1, protect_prompt=False)
+    else:
+        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, protect_prompt=protect, seed=seed,
+                                       **(options or {}))
+    res = randattn.replay(model, ids, cache, prompt_len=tasks.prompt_len, score_from=score_from)
+    target = ids[:, score_from:].cpu()
+    lp = res.logprobs[:, score_from:].double()
+    hit = res.argmax[:, score_from:] == target
+    is_digit = torch.tensor([[t in tasks.digit for t in row] for row in target.tolist()])
+    rows = []
+    for j, k in enumerate(idx):
+        d = is_digit[j]
+        rows.append({"instance": k, "policy": policy, "protect": protect, "mean_lp": float(lp[j].mean()),
+                     "digit_acc": float(hit[j][d].float().mean()) if d.any() else float("nan"),
+                     "tokens": int(target.shape[1]), "rounds": cache.events[0] if cache.layers else 0})
+    return rows
+
+
 def main(argv=None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--traces", default=None, help="JSONL with 'question' and 'text' fields (default: the shipped corpus)")
@@ -129,30 +156,12 @@ def main(argv=None) -> int:
     batches = [list(range(b, min(args.instances, b + args.batch))) for b in range(0, args.instances, args.batch)]
     todo = [(arm, idx) for arm in arms for idx in batches if any((i, *arm) not in rf.done for i in idx)]
     for (policy, protect), idx in tqdm(todo, desc="prompt protection", unit="batch"):
-        built = [tasks.build(k) for k in idx]
-        ids = torch.tensor([b[0] for b in built], device=model.device)
-        score_from = built[0][1]
-        if policy == "full":
-            cache = randattn.EvictingCache("random", budget=ids.shape[1] + 1, buffer=1, protect_prompt=False)
-        else:
-            options = {"stats": randattn.DEFAULT_MODEL} if policy == "triattention" and args.model is None else {}
-            cache = randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, protect_prompt=protect,
-                                           seed=args.seed * 1_000_003 + idx[0], **options)
+        options = {"stats": randattn.DEFAULT_MODEL} if policy == "triattention" and args.model is None else {}
         try:
-            res = randattn.replay(model, ids, cache, prompt_len=tasks.prompt_len, score_from=score_from)
+            rf.append(run_batch(model, tasks, idx, policy, protect, budget=args.budget, buffer=args.buffer,
+                                seed=args.seed * 1_000_003 + idx[0], options=options))
         except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed K
             p.error(f"policy {policy} (protect_prompt={protect}): {exc}")
-        target = ids[:, score_from:].cpu()
-        lp = res.logprobs[:, score_from:].double()
-        hit = res.argmax[:, score_from:] == target
-        is_digit = torch.tensor([[t in tasks.digit for t in row] for row in target.tolist()])
-        rows_out = []
-        for j, k in enumerate(idx):
-            d = is_digit[j]
-            rows_out.append({"instance": k, "policy": policy, "protect": protect, "mean_lp": float(lp[j].mean()),
-                             "digit_acc": float(hit[j][d].float().mean()) if d.any() else float("nan"),
-                             "tokens": int(target.shape[1]), "rounds": cache.events[0] if cache.layers else 0})
-        rf.append(rows_out)
     table = summarize(rf.rows, args.policies, args.instances, args.seed)
     print(f"\n{'policy':<14} {'score only':<22} {'+ prompt protection':<22} {'gain [95% CI]':<26} (digit accuracy of the "
           "restated question; mean log-prob in the CSV)")

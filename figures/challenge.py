@@ -1,0 +1,57 @@
+"""The challenge's verdicts (``python -m probes.challenge``): each metric's difference from Random with its paired
+95% bootstrap CI, one colour per selector; filled markers pass both the CI and the exact sign test."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from randattn.stats import Estimate
+
+from . import style
+
+
+def _tested(path: Path) -> list[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no results; run `python -m probes.challenge --policy MODULE:CALLABLE` "
+                                "to produce them")
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r["verdict"]]
+
+
+def plot(verdict_csv: "str | Path", out_dir=None, name: str = "challenge") -> list[Path]:
+    rows = _tested(Path(verdict_csv))
+    if not rows:
+        raise ValueError(f"{verdict_csv}: no metric with a significance test (run the accuracy, question, planted or "
+                         "passcode part)")
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    # Differences of rates and of log-probs do not share a scale: one panel each.
+    panels = [(lbl, [r for r in rows if ("nats" in r["metric"]) == nats])
+              for lbl, nats in (("difference from Random (rate)", False), ("difference from Random (nats)", True))]
+    panels = [(lbl, rs) for lbl, rs in panels if rs]
+    style.apply()
+    height = 1.2 + 0.45 * max(len(dict.fromkeys(r["metric"] for r in rs)) for _, rs in panels) * len(policies) ** 0.5
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), max(3.0, height)), squeeze=False)
+    for ax, (label, rs) in zip(axes[0], panels):
+        metrics = list(dict.fromkeys(r["metric"] for r in rs))
+        step = 0.7 / max(1, len(policies))
+        for i, pol in enumerate(policies):
+            color = style.PALETTE[(i + 2) % len(style.PALETTE)]
+            for r in (r for r in rs if r["policy"] == pol):
+                y = metrics.index(r["metric"]) + (i - (len(policies) - 1) / 2) * step
+                est = Estimate(float(r["delta"]), float(r["delta_lo"]), float(r["delta_hi"]), int(r["n"]))
+                filled = r["verdict"] in ("better", "worse")
+                ax.errorbar(est.value, y, xerr=[[est.value - est.lo], [est.hi - est.value]], fmt="o", color=color,
+                            mfc=color if filled else "white", capsize=3, ms=6)
+            ax.plot([], [], "o", color=color, label=pol)
+        ax.axvline(0, color="gray", lw=1, ls="--")
+        ax.set_yticks(range(len(metrics)), metrics)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+    axes[0][0].legend(fontsize=8, loc="best")
+    fig.suptitle("Selector minus Random at the same K, r and prompt protection; paired 95% bootstrap CIs\n"
+                 "filled: significant by both the CI and the exact sign test", fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)

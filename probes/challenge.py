@@ -1,0 +1,214 @@
+"""The null-hypothesis challenge: your selector against score-free Random at the same K, r and prompt protection.
+
+    python -m probes.challenge --policy my_selector:score                 # embedded SmolLM2-135M, K=256, r=16
+    python -m probes.challenge --policy my_selector:score --quick         # a few minutes
+    python -m probes.challenge --policy examples/attention_selector.py:recent_attention --baselines snapkv rkv
+    python -m probes.challenge --policy my_selector:score --model Qwen/Qwen3-4B --budget 1024 --buffer 64 \\
+        --task math500 --data math500.jsonl --stats qwen3-4b-stats.pt
+
+``--policy`` is a registered policy name or ``MODULE:CALLABLE`` / ``path/to/file.py:CALLABLE``: a score function
+``score(view) -> Tensor[B, H_kv, S]`` (``randattn.score_function(needs=("queries",), window=w)`` gives it recent
+queries) or a ``randattn.Policy`` subclass. The core does prompt protection, per-head top-K and compaction, so the
+selector and Random differ only in their scores. Parts (``--only`` / ``--skip``):
+
+- ``accuracy``: generate and grade a task (``--task``, default the embedded copy task), paired by problem;
+- ``question``: restate the question after many rounds (a task that needs the prompt), paired by instance;
+- ``planted``: a fact planted in a real trace and left to the policy: retrieval, log-prob, Recall R;
+- ``passcode``: a passcode stated once and asked after many rounds (where content-aware selectors should win);
+- ``keeplog``: keep-set metrics from keep-logs, and how far the selector's keep-sets overlap Random's;
+- ``cost``: milliseconds per eviction round and decode tokens/s relative to Random.
+
+The first four give a verdict per metric: better or worse only when the paired bootstrap 95% CI and the exact sign
+test both exclude no difference (the paper's rule), else indistinguishable. Everything goes to ``--out`` (default
+``data/results/challenge/<selector>-<model>-K<K>-r<r>/``): rows of every part (resumable), ``verdict.csv``,
+``report.md`` and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import randattn
+
+from .challenge_parts import PARTS, REFERENCE, Context, preflight
+from .common import base_parser, check_policies, policy_slug, positive_int
+from .planted_run import write_csv
+from .results import git_revision
+from .tasks import TASKS
+
+SIZES = {  # default: well under an hour on the embedded model on 2 CPUs; --quick: minutes
+    "full": dict(problems=32, runs=3, body=512, instances=24, distance=384,
+                 passcode_instances=16, rounds=57, sequences=4, keeplog_rounds=24, cost_batch=4, cost_rounds=16,
+                 cost_repeats=3),
+    "quick": dict(problems=8, runs=1, body=256, instances=8, distance=384,
+                  passcode_instances=8, rounds=24, sequences=2, keeplog_rounds=12, cost_batch=2, cost_rounds=8,
+                  cost_repeats=1),
+}
+SIGNIFICANCE_TESTS = ("accuracy", "question recall", "planted fact", "passcode")
+
+
+def challenge_parser() -> argparse.ArgumentParser:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--policy", required=True, help="your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a "
+                                                   "registered name")
+    p.add_argument("--baselines", nargs="*", default=[], help="named selectors run alongside, also against Random "
+                                                              "(e.g. snapkv rkv triattention)")
+    p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
+    p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
+                   help="score only: the prompt competes with everything else, for every policy (default: protected)")
+    p.add_argument("--task", default="copy", help=f"accuracy task: one of {', '.join(TASKS)}")
+    p.add_argument("--data", default=None, help="local JSONL of problems for --task (see probes/tasks.py)")
+    p.add_argument("--stats", default=None, help="TriAttention statistics for --model (python -m randattn.calibrate)")
+    p.add_argument("--traces", default=None, help="JSONL with 'question' and 'text' per row: the real reasoning "
+                                                  "traces the probes plant into (default: the embedded model's)")
+    p.add_argument("--quick", action="store_true", help="small sizes: minutes instead of tens of minutes")
+    p.add_argument("--only", nargs="+", choices=list(PARTS), default=None, help="run only these parts")
+    p.add_argument("--skip", nargs="+", choices=list(PARTS), default=[], help="skip these parts")
+    for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                       help=f"override the size '{name}' (default {SIZES['full'][name]}, --quick "
+                            f"{SIZES['quick'][name]})")
+    p.add_argument("--restart", action="store_true", help="discard earlier results in --out")
+    return p
+
+
+def default_out(args) -> Path:
+    model = Path(str(args.model or randattn.DEFAULT_MODEL)).name
+    tags = ("" if args.protect_prompt else "-score-only") + ("-quick" if args.quick else "")
+    return Path("data/results/challenge") / f"{policy_slug(args.policy)}-{model}-K{args.budget}-r{args.buffer}{tags}"
+
+
+# -- printing ----------------------------------------------------------------------------------------------
+def _fmt(x, spec=".3f") -> str:
+    return "" if x is None or x == "" else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'test':<16} {'metric':<34} {'policy':<26} {'policy':>8} {'random':>8}  {'difference [95% CI]':<27} "
+          f"{'p_boot':>6} {'sign W/L/T':>10} {'p_sign':>6}  verdict")
+    for r in rows:
+        spec = ".2f" if r["unit"] in ("nats", "ms", "tokens/s") or "nats" in r["metric"] else ".3f"
+        diff = (f"{r['delta']:+{spec}} [{r['delta_lo']:+{spec}}, {r['delta_hi']:+{spec}}]" if "delta_lo" in r
+                else f"x{r['ratio']:.2f}" if "ratio" in r else "")
+        sign = f"{r['wins']}/{r['losses']}/{r['ties']}" if "wins" in r else ""
+        print(f"{r['test']:<16} {r['metric'][:34]:<34} {r['policy'][:26]:<26} {_fmt(r['value'], spec):>8} "
+              f"{_fmt(r['random'], spec):>8}  {diff:<27} {_fmt(r.get('p_bootstrap')):>6} {sign:>10} "
+              f"{_fmt(r.get('p_sign')):>6}  {r['verdict']}")
+
+
+def verdicts(rows: list[dict], policy: str) -> dict:
+    """``{"better": [...], "worse": [...], "indistinguishable": [...], "cost": {...}, "summary": str}``."""
+    mine = [r for r in rows if r["policy"] == policy]
+    out = {v: [f"{r['metric']}" for r in mine if r["verdict"] == v] for v in ("better", "worse", "indistinguishable")}
+    out["cost"] = {r["metric"]: r["ratio"] for r in mine if "ratio" in r}
+    b, w = len(out["better"]), len(out["worse"])
+    if b and not w:
+        out["summary"] = f"beats Random on {b} metric(s) and loses on none"
+    elif w and not b:
+        out["summary"] = f"loses to Random on {w} metric(s) and beats it on none"
+    elif b and w:
+        out["summary"] = f"mixed: better than Random on {b} metric(s), worse on {w}"
+    else:
+        out["summary"] = "indistinguishable from Random on every metric tested: no evidence it extracts signal"
+    return out
+
+
+def verdict_text(rows: list[dict], policies: list[str], args) -> list[str]:
+    lines = []
+    for pol in policies:
+        v = verdicts(rows, pol)
+        lines.append(f"{pol} vs random (K={args.budget}, r={args.buffer}, prompt "
+                     f"{'protected' if args.protect_prompt else 'unprotected'}): {v['summary']}")
+        for key in ("better", "worse", "indistinguishable"):
+            lines.append(f"  {key}: {', '.join(v[key]) or '-'}")
+        if v["cost"]:
+            lines.append("  cost relative to Random: " + ", ".join(f"{m} x{x:.2f}" for m, x in v["cost"].items()))
+    return lines
+
+
+def write_report(out: Path, rows: list[dict], policies: list[str], args, figures: list[str], command: str) -> Path:
+    """``report.md``: the configuration, the verdicts, the table and the figures."""
+    cols = ["test", "metric", "policy", "n", "value", "random", "delta", "delta_lo", "delta_hi", "ratio",
+            "p_bootstrap", "p_sign", "verdict"]
+    cell = lambda r, c: ("" if r.get(c) is None or r.get(c) == "" else  # noqa: E731
+                         f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r[c]))
+    lines = [f"# Challenge: {args.policy} against Random", "",
+             f"`{command}`", "",
+             f"Model {args.model or randattn.DEFAULT_MODEL}; K={args.budget}, r={args.buffer}; prompt "
+             f"{'protected' if args.protect_prompt else 'unprotected (score only)'} for every policy; "
+             f"{'quick' if args.quick else 'default'} sizes; revision {git_revision()}.", "",
+             "A metric is better/worse only when the paired bootstrap 95% CI and the exact sign test both exclude no "
+             "difference; otherwise indistinguishable. Keep-set and cost rows are descriptive.", "", "## Verdict", "",
+             "```", *verdict_text(rows, policies, args), "```", "", "## All rows", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in rows]
+    lines += ["", "## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in figures if f.endswith(".png")]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = challenge_parser()
+    args = p.parse_args(argv)
+    if args.policy == REFERENCE:
+        p.error("--policy random is the reference every selector is measured against; give your own selector "
+                "(MODULE:CALLABLE) or another registered name")
+    if args.task not in TASKS:
+        p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
+    check_policies(p, "--policy", [args.policy])
+    check_policies(p, "--baselines", args.baselines)
+    policies = list(dict.fromkeys([args.policy, *args.baselines, REFERENCE]))
+    parts = [x for x in (args.only or PARTS) if x not in args.skip]
+    if not parts:
+        p.error("--only/--skip leave no part to run")
+    sizes = dict(SIZES["quick" if args.quick else "full"])
+    for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
+        if getattr(args, name) is not None:
+            sizes[name] = getattr(args, name)
+    out = Path(args.out) if args.out else default_out(args)
+    if args.restart and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model, tok = randattn.load_model(args.model, device=args.device)
+    ctx = Context(args, p, model, tok, policies, out, sizes)
+    for pol in policies:
+        error = preflight(model, tok, pol, protect=args.protect_prompt, options=ctx.options(pol))
+        if error:
+            p.error(f"--policy {pol}: the selector failed a trial run on the model before any work started: {error}")
+    print(f"challenge: {args.policy} vs random{' (+ ' + ', '.join(args.baselines) + ')' if args.baselines else ''} | "
+          f"model {args.model or randattn.DEFAULT_MODEL} | K={args.budget}, r={args.buffer}, prompt "
+          f"{'protected' if args.protect_prompt else 'unprotected'} | parts {', '.join(parts)} | results in {out}")
+
+    rows: list[dict] = []
+    verdict_csv = out / "verdict.csv"
+    for part in parts:
+        print(f"\n== {part} ==")
+        rows += PARTS[part](ctx)
+        write_csv(verdict_csv, rows)  # after every part, so a later failure loses nothing measured
+
+    print_table(rows)
+    text = verdict_text(rows, [x for x in policies if x != REFERENCE], args)
+    print("\n" + "\n".join(text))
+    figures = [str(f) for f in (out.glob("*.png"))]
+    from figures.challenge import plot
+
+    figures = [str(f) for f in plot(verdict_csv, out)] + [f for f in figures if not f.endswith("challenge.png")]
+    (out / "verdict.json").write_text(json.dumps({pol: verdicts(rows, pol) for pol in policies if pol != REFERENCE},
+                                                 indent=1))
+    command = "python -m probes.challenge " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    report = write_report(out, rows, [x for x in policies if x != REFERENCE], args, figures, command)
+    print(f"\nverdict table: {verdict_csv}\nreport: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""probes.challenge: Random in disguise is indistinguishable, an oracle wins the passcode, a question evictor loses,
+broken selectors stop before any work."""
+
+import csv
+import textwrap
+
+import pytest
+
+SELECTORS = textwrap.dedent('''
+    import torch
+
+    BOX = (0, 0)  # the passcode's positions, set by the test that knows the layout
+
+
+    def random_again(view):
+        """Random in disguise: the same draw as the registered policy, under another name."""
+        return torch.rand(view.shape, generator=view.generator, device=view.keys.device, dtype=torch.float32)
+
+
+    def pin_passcode(view):
+        """An oracle: Random, except that the passcode is always kept."""
+        inside = (view.positions >= BOX[0]) & (view.positions < BOX[1])
+        return random_again(view) + 2.0 * inside
+
+
+    def question_first(view):
+        """Random, except that prompt pairs always go first."""
+        return random_again(view) - 2.0 * (view.positions < view.prompt_len)
+
+
+    def wrong_shape(view):
+        return torch.zeros(view.shape[-1] + 1)
+
+
+    def nan_scores(view):
+        return torch.full(view.shape, float("nan"))
+''')
+
+
+@pytest.fixture()
+def selectors(tmp_path, monkeypatch):
+    (tmp_path / "challengers.py").write_text(SELECTORS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    import challengers
+
+    return importlib.reload(challengers)
+
+
+def _verdict_rows(out):
+    with open(out / "verdict.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _challenge(*flags):
+    from probes import challenge
+
+    return challenge.main(list(flags))
+
+
+def test_random_in_disguise_is_indistinguishable_on_every_part(selectors, tiny_dir, tmp_path, capsys):
+    out = tmp_path / "disguise"
+    assert _challenge("--policy", "challengers:random_again", "--model", tiny_dir, "--quick", "--problems", "3",
+                      "--instances", "4", "--passcode-instances", "4", "--rounds", "4", "--out", str(out)) == 0
+    rows = _verdict_rows(out)
+    tested = [r for r in rows if r["verdict"]]
+    # every significance-tested metric of every part, each paired unit a tie: the pairing is exact
+    assert {r["test"] for r in tested} == {"accuracy", "question recall", "planted fact", "passcode"}
+    for r in tested:
+        assert r["verdict"] == "indistinguishable" and float(r["delta"]) == 0.0, r
+        assert r["wins"] == r["losses"] == "0" and int(r["ties"]) == int(r["n"]) > 0
+    overlap = {r["policy"]: float(r["value"]) for r in rows if r["metric"] == "keep-set overlap with Random"}
+    assert overlap["challengers:random_again"] == 1.0 and overlap["random (another seed)"] < 0.9
+    assert {r["metric"] for r in rows if r["test"] == "cost"} == {"ms per eviction round (one layer)",
+                                                                   "decode tokens/s"}
+    text = capsys.readouterr().out
+    assert "indistinguishable from Random on every metric tested" in text
+    report = (out / "report.md").read_text()
+    assert "## Verdict" in report and "![challenge](challenge.png)" in report
+    for name in ("challenge.png", "accuracy.png", "passcode.png"):
+        assert (out / name).stat().st_size > 5_000
+
+    # rerun: finished rows are reused, not recomputed
+    assert _challenge("--policy", "challengers:random_again", "--model", tiny_dir, "--quick", "--problems", "3",
+                      "--instances", "4", "--passcode-instances", "4", "--rounds", "4", "--out", str(out),
+                      "--only", "planted") == 0
+    assert "already there" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,message", [("wrong_shape", "returned scores shaped"), ("nan_scores", "NaN scores"),
+                                          ("missing", "has no 'missing'")])
+def test_a_broken_selector_stops_before_any_work_with_the_reason(selectors, tiny_dir, tmp_path, capsys, name,
+                                                                  message):
+    out = tmp_path / "broken"
+    with pytest.raises(SystemExit):
+        _challenge("--policy", f"challengers:{name}", "--model", tiny_dir, "--quick", "--out", str(out))
+    err = capsys.readouterr().err
+    assert message in err and f"challengers:{name}" in err
+    assert not list(out.glob("**/*.jsonl"))
+
+
+def test_flags_are_checked(selectors, tiny_dir, tmp_path, capsys):
+    for flags, message in ((["--policy", "random"], "reference"), (["--policy", "challengers:random_again",
+                                                                     "--baselines", "nope"], "--baselines 'nope'"),
+                           (["--policy", "challengers:random_again", "--task", "nope"], "--task 'nope'")):
+        with pytest.raises(SystemExit):
+            _challenge(*flags, "--model", tiny_dir, "--out", str(tmp_path / "x"))
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_oracle_that_pins_the_passcode_wins_the_passcode_test(selectors, embedded, tmp_path, capsys):
+    from probes.passcode import FACT, INSTRUCTION, QUERY, passcode_distance
+    from probes.planted import InstanceBuilder
+    from probes.planted_run import DEFAULT_TRACES
+    from randattn.traces import load_traces
+
+    rounds = 24
+    builder = InstanceBuilder(embedded[1], load_traces(DEFAULT_TRACES), budget=256, buffer=16,
+                              distance=passcode_distance(rounds, 16, 20), box_width=20, n_facts=1, seed=0, fact=FACT,
+                              query=QUERY, instruction=INSTRUCTION, deletable=False)
+    fact = builder.build(0).facts[0]
+    selectors.BOX = (fact.box_start, fact.box_end)
+    out = tmp_path / "oracle"
+    assert _challenge("--policy", "challengers:pin_passcode", "--quick", "--only", "passcode", "--rounds",
+                      str(rounds), "--out", str(out)) == 0
+    rows = {r["metric"]: r for r in _verdict_rows(out)}
+    hit = rows["passcode retrieval"]
+    assert hit["verdict"] == "better" and float(hit["delta_lo"]) > 0 and float(hit["p_sign"]) < 0.05
+    assert rows["passcode log-prob (nats)"]["verdict"] == "better"
+    assert "beats Random" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_selector_that_evicts_the_question_loses_where_the_question_is_needed(selectors, embedded, tmp_path):
+    out = tmp_path / "evictor"
+    assert _challenge("--policy", "challengers:question_first", "--quick", "--only", "question",
+                      "--instances", "16", "--no-protect-prompt", "--out", str(out)) == 0
+    rows = {r["metric"]: r for r in _verdict_rows(out)}
+    digits = rows["question digit accuracy"]
+    assert digits["verdict"] == "worse" and float(digits["delta_hi"]) < 0 and float(digits["p_sign"]) < 0.05
