@@ -41,7 +41,10 @@ def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     generate_kwargs[cache_argument_name(model)] = cache
-    return model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    try:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+    finally:
+        release_free_memory()  # short generations never reach the cache's every-16-rounds trim
 
 
 @torch.no_grad()
