@@ -208,6 +208,19 @@ def batch_seed(seed: int, run: int, first_problem: int) -> int:
     return seed * 1_000_003 + run * 10_007 + first_problem
 
 
+def runs_for(arm: Arm, runs: int, temperature: float) -> int:
+    """Runs an arm gets: under greedy decoding full attention and the seed-free policies would repeat themselves."""
+    return 1 if temperature == 0 and (arm.policy == FULL or arm.policy in SEED_FREE) else runs
+
+
+def graded_row(task, prob, arm: Arm, run: int, seed: int, out: dict) -> dict:
+    """The result row of one generation (``out``, from :func:`generate_batch`): keys, output, grade."""
+    g = task.grade(out["output"], prob)
+    return {"task": task.name, "problem": prob.id, "run": run, "policy": arm.policy, "budget": arm.budget,
+            "protect_prompt": arm.protect, "compression": arm.compression, "seed": seed, **out,
+            "compressed": out["events"] > 0, "grade": g.score, "extracted": g.extracted, "answer": prob.answer}
+
+
 def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple]:
     """``(arm, run, [problem indices])`` still to do, batching problems of equal prompt length."""
     work = []
@@ -224,9 +237,8 @@ def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple
 
 def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p, stats) -> None:
     """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
-    runs_of = (lambda arm: 1 if args.temperature == 0 and (arm.policy == FULL or arm.policy in SEED_FREE)
-               else args.runs)
-    work = pending_batches(arms, problems, prompts, runs_of, rf.done, args.batch)
+    work = pending_batches(arms, problems, prompts, lambda arm: runs_for(arm, args.runs, args.temperature), rf.done,
+                           args.batch)
     if not work:
         return
     bar = tqdm(total=sum(len(idx) for *_, idx in work), desc=f"accuracy: {task.name}", unit="gen")
@@ -238,15 +250,8 @@ def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p
         except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
             bar.close()
             p.error(f"--policy {arm.policy} (K={arm.budget}, protect_prompt={arm.protect}): {exc}")
-        rows = []
-        for i, o in zip(idx, outs):
-            prob = problems[i]
-            g = task.grade(o["output"], prob)
-            rows.append({"task": task.name, "problem": prob.id, "run": run, "policy": arm.policy,
-                         "budget": arm.budget, "protect_prompt": arm.protect, "compression": arm.compression,
-                         "seed": seed, **o, "compressed": o["events"] > 0, "grade": g.score,
-                         "extracted": g.extracted, "answer": prob.answer})
-            score[arm.label].append(g.score)
+        rows = [graded_row(task, problems[i], arm, run, seed, o) for i, o in zip(idx, outs)]
+        score[arm.label] += [r["grade"] for r in rows]
         rf.append(rows)
         bar.update(len(idx))
         bar.set_postfix_str(f"{arm.label} K={arm.budget} acc={np.mean(score[arm.label]):.3f}")
@@ -402,6 +407,14 @@ def repo_relative(path: Optional[str]) -> Optional[str]:
     return str(p.relative_to(REPO_ROOT)) if p.is_relative_to(REPO_ROOT) else str(p)
 
 
+def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -> dict:
+    """The configuration stored in every row of a result file (a resumed run must match it)."""
+    return {"probe": "accuracy", "model": model_name, "task": task, "buffer": args.buffer,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": args.seed, "batch": args.batch, "thinking": thinking, "data": repo_relative(args.data),
+            "stats": stats, "policy_options": args.options, "revision": git_revision()}
+
+
 def main(argv=None, loaded=None) -> int:
     """The command line; ``loaded=(model, tokenizer)`` reuses a loaded model (``--model`` still names it)."""
     p = accuracy_parser()
@@ -421,11 +434,7 @@ def main(argv=None, loaded=None) -> int:
     stats = args.stats or (randattn.DEFAULT_MODEL if args.model is None else None)
     prompts = [chat_ids(tok, prob.prompt) for prob in problems]
     longest = max(len(x) for x in prompts)
-    config = {"probe": "accuracy", "model": model_name, "task": task.name, "buffer": args.buffer,
-              "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed, "batch": args.batch, "thinking": has_thinking_mode(tok), "data": repo_relative(args.data),
-              "stats": stats, "policy_options": args.options,
-              "revision": git_revision()}
+    config = results_config(model_name, task.name, args, thinking=has_thinking_mode(tok), stats=stats)
     out = Path(args.out) if args.out else default_out(model_name, task.name, args)
     try:
         rf = ResultsFile(out, config, KEY, restart=args.restart)
