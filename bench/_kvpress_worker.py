@@ -14,6 +14,7 @@ order check without kvpress installed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -194,12 +195,13 @@ def run(req: dict, log=sys.stderr) -> dict:
     generate(model, prompt, 8)  # untimed warm-up: allocator and kernel choice land in no arm's timing
     rows, checks = [], {}
     for policy in [None, *req["policies"]]:
+        load = os.getloadavg()[0]
         counted = None if policy is None else _CountedPress(make_press(req, policy))
         out, cache, seconds = generate(model, ids, req["new_tokens"], counted and counted.press)
         new = out.shape[1] - ids.shape[1]
         row = {"policy": policy or "full", "batch": ids.shape[0], "prompt_tokens": ids.shape[1], "new_tokens": new,
                "seconds": seconds, "tokens_per_s": new * ids.shape[0] / seconds, "kv_bytes_end": _kv_bytes(cache),
-               "pairs_per_head_end": cache.layers[0].keys.shape[2]}
+               "pairs_per_head_end": cache.layers[0].keys.shape[2], "loadavg_1m_before": load}
         if counted is not None:
             layers = len(cache.layers)
             row.update(budget=req["budget"], buffer=req["buffer"], rounds_per_layer=counted.calls / layers,

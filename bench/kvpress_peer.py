@@ -190,9 +190,10 @@ def main(argv=None) -> int:
         ids = prompt.expand(batch, -1).contiguous()
         opts = our_options(args)
         for policy in [None, *args.policies]:
+            load = os.getloadavg()[0]  # other jobs on the machine show here: timings are only as clean as this
             row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
                           seed=args.seed, options=opts.get(policy))
-            rows.append({"side": "ours", **row})
+            rows.append({"side": "ours", **row, "loadavg_1m_before": load})
             print(json.dumps(rows[-1]), flush=True)
         if python is not None:
             try:
