@@ -172,6 +172,15 @@ def print_checks(checks: dict) -> None:
                   f"{str(c['newest_kept'] == c['newest_position']):>11}")
 
 
+def save(path: Path, info: dict, rows: list, checks: dict) -> list:
+    """Write everything measured so far (after every batch, so an interrupted run keeps its finished batches)."""
+    comparison = ratio_rows(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": info, "rows": rows, "comparison": comparison,
+                                "order_checks": {side: c for side, c in checks.items() if c}}, indent=1))
+    return comparison
+
+
 def main(argv=None) -> int:
     p, args = parse_args(argv)
     python = versions = None
@@ -184,8 +193,14 @@ def main(argv=None) -> int:
     check_rounds_run(p, args, prompt.shape[1])
     with torch.no_grad():
         ours_top = model(prompt).logits[0, -1].float().cpu()
+    info = meta(args, model, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens, batches=args.batches,
+                policies=args.policies, snapkv={"window": args.snapkv_window, "kernel": args.snapkv_kernel},
+                check_tokens=args.check_tokens, prompt_tokens=prompt.shape[1], python=sys.version.split()[0],
+                ours_versions={"randattn": randattn.__version__, "transformers": __import__("transformers").__version__,
+                               "torch": torch.__version__})
+    out_path = Path(args.out or "data/results/bench/kvpress_peer.json")
 
-    rows, checks, peer_meta = [], {"ours": {}, "kvpress": {}}, {}
+    rows, checks = [], {"ours": {}, "kvpress": {}}
     for i, batch in enumerate(args.batches):
         ids = prompt.expand(batch, -1).contiguous()
         opts = our_options(args)
@@ -202,27 +217,17 @@ def main(argv=None) -> int:
                 p.exit(1, f"{p.prog}: error: {exc}\n")
             rows += [{"side": "kvpress", **r} for r in result["rows"]]
             checks["kvpress"].update(result["order_checks"])
-            peer_meta = {k: v for k, v in result.items() if k not in ("rows", "order_checks")}
+            top = result["prompt_top5"]
+            info["peer"] = {"executable": str(python), "versions": versions, "python": result["python"],
+                            "torch_threads": result["torch_threads"],
+                            # Same GGUF weights on both sides: the prompt's logits agree.
+                            "prompt_logit_max_abs_diff": float((ours_top[top["ids"]] - torch.tensor(top["logits"])).abs().max()),
+                            "same_top_token": top["ids"][0] == int(ours_top.argmax())}
+        save(out_path, info, rows, checks)
     if args.check_tokens:
         for policy in args.policies:
             checks["ours"][policy] = our_order_check(model, prompt, args, policy)
-    checks = {side: c for side, c in checks.items() if c}
-
-    comparison = ratio_rows(rows)
-    info = meta(args, model, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens, batches=args.batches,
-                policies=args.policies, snapkv={"window": args.snapkv_window, "kernel": args.snapkv_kernel},
-                check_tokens=args.check_tokens, prompt_tokens=prompt.shape[1],
-                ours_versions={"randattn": randattn.__version__, "transformers": __import__("transformers").__version__, "torch": torch.__version__},
-                python=sys.version.split()[0])
-    if python is not None:
-        top = peer_meta.pop("prompt_top5")
-        info["peer"] = {"executable": str(python), "versions": versions, **peer_meta,
-                        "prompt_logit_max_abs_diff": float((ours_top[top["ids"]] - torch.tensor(top["logits"])).abs().max()),
-                        "same_top_token": top["ids"][0] == int(ours_top.argmax())}
-    out_path = Path(args.out or "data/results/bench/kvpress_peer.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"meta": info, "rows": rows, "comparison": comparison, "order_checks": checks},
-                                   indent=1))
+    comparison = save(out_path, info, rows, checks)
 
     print(f"\n{info['model']} on {info['device']} ({info['dtype']}, {info['torch_threads']} threads), K={args.budget}, "
           f"r={args.buffer}, {args.new_tokens} new tokens, prompt {prompt.shape[1]} tokens")
@@ -230,7 +235,7 @@ def main(argv=None) -> int:
         print(f"peer: kvpress {versions['kvpress']}, transformers {versions['transformers']}; prompt logits differ from "
               f"ours by at most {info['peer']['prompt_logit_max_abs_diff']:.2e}")
     print_table(comparison)
-    print_checks(checks)
+    print_checks({side: c for side, c in checks.items() if c})
     print(f"\nwrote {out_path}")
     return 0
 
