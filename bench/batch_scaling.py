@@ -12,21 +12,9 @@ whole batch) and the share of decode time spent in rounds, from the cache's own 
 
 from __future__ import annotations
 
-import json
 import sys
 
-from bench.common import (
-    add_stats_flag,
-    bench_parser,
-    check_policies,
-    check_rounds_run,
-    meta,
-    policy_options,
-    positive_int,
-    run_one,
-    setup,
-    write_results,
-)
+from bench.common import add_stats_flag, bench_parser, meta, positive_int, prepare, run_arms, write_results
 
 POLICIES = ["random", "snapkv", "rkv", "triattention"]
 
@@ -37,22 +25,13 @@ def main(argv=None) -> int:
     p.add_argument("--policies", nargs="+", default=POLICIES, help="evicting policies run beside full attention")
     p.add_argument("--no-full", action="store_true", help="skip full attention (the slowest arm at large batches)")
     add_stats_flag(p)
-    args = p.parse_args(argv)
-    check_policies(p, "--policies", args.policies)
-    options = policy_options(p, args, args.policies)
-    model, _, prompt = setup(args)
-    check_rounds_run(p, args, prompt.shape[1])
+    args, options, model, prompt = prepare(p, argv)
     arms = ([] if args.no_full else [None]) + list(args.policies)
 
     rows = []
     for batch in args.batches:
-        ids = prompt.expand(batch, -1).contiguous()
-        for policy in arms:
-            row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
-                          seed=args.seed, options=options.get(policy))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        same = [r for r in rows if r["batch"] == batch]
+        same = run_arms(model, prompt.expand(batch, -1).contiguous(), arms, args, options)
+        rows += same
         ref = {r["policy"]: r["tokens_per_s"] for r in same}
         for r in same:
             r["x_full"] = r["tokens_per_s"] / ref["full"] if "full" in ref else None

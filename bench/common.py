@@ -70,6 +70,18 @@ def warm_up(model, prompt) -> None:
                    min_new_tokens=8, do_sample=False)
 
 
+def prepare(p: argparse.ArgumentParser, argv):
+    """What every generation benchmark does first: parse, check ``--policies`` (and TriAttention's
+    statistics) before loading anything, load the model and prompt, check that rounds will run.
+    Returns ``(args, options, model, prompt)``."""
+    args = p.parse_args(argv)
+    check_policies(p, "--policies", args.policies)
+    options = policy_options(p, args, args.policies)
+    model, _, prompt = setup(args)
+    check_rounds_run(p, args, prompt.shape[1])
+    return args, options, model, prompt
+
+
 def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:
     total = prompt_len + args.new_tokens
     if total < args.budget + args.buffer:
@@ -156,6 +168,17 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
             pairs_per_head_end=cache.physical_length(0),
         )
     return row
+
+
+def run_arms(model, ids, arms, args, options: dict, **kwargs) -> list:
+    """``run_one`` for every arm (``None``: full attention) on the same ids with the flags' K, r, length
+    and seed, one after another; each row is printed as it finishes."""
+    rows = []
+    for policy in arms:
+        rows.append(run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer,
+                            new_tokens=args.new_tokens, seed=args.seed, options=options.get(policy), **kwargs))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 # -- results ----------------------------------------------------------------------------------------

@@ -11,22 +11,9 @@ saved: tokens/s, the ratio to the full cache, KV bytes at the end, the eviction 
 
 from __future__ import annotations
 
-import json
 import sys
 
-from bench.common import (  # noqa: F401  (run_one stays importable from here)
-    PROMPT,
-    add_stats_flag,
-    bench_parser,
-    check_policies,
-    check_rounds_run,
-    meta,
-    policy_options,
-    positive_int,
-    run_one,
-    setup,
-    write_results,
-)
+from bench.common import add_stats_flag, bench_parser, meta, positive_int, prepare, run_arms, write_results
 
 
 def main(argv=None) -> int:
@@ -34,20 +21,11 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
     p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies compared with the full cache")
     add_stats_flag(p)
-    args = p.parse_args(argv)
-    check_policies(p, "--policies", args.policies)
-    options = policy_options(p, args, args.policies)
-    model, _, prompt = setup(args)
-    check_rounds_run(p, args, prompt.shape[1])
+    args, options, model, prompt = prepare(p, argv)
 
     rows = []
     for batch in args.batches:
-        ids = prompt.expand(batch, -1).contiguous()
-        for policy in [None, *args.policies]:
-            row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
-                          seed=args.seed, options=options.get(policy))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        rows += run_arms(model, prompt.expand(batch, -1).contiguous(), [None, *args.policies], args, options)
 
     info = meta(args, model, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens)
     out_path = write_results(args.out or "data/results/bench/decode.json", info, rows)

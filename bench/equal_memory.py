@@ -14,22 +14,9 @@ KV, total tokens/s and the multiple over full attention.
 
 from __future__ import annotations
 
-import json
 import sys
 
-from bench.common import (
-    add_stats_flag,
-    bench_parser,
-    check_policies,
-    check_rounds_run,
-    kv_bytes_per_position,
-    meta,
-    policy_options,
-    positive_int,
-    run_one,
-    setup,
-    write_results,
-)
+from bench.common import add_stats_flag, bench_parser, kv_bytes_per_position, meta, positive_int, prepare, run_arms, write_results
 
 
 def per_sequence_bytes(model, *, policy, prompt_len: int, new_tokens: int, budget: int, buffer: int) -> int:
@@ -46,11 +33,7 @@ def main(argv=None) -> int:
                    help="KV budget in bytes (default: full attention's need at --base-batch)")
     p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies compared with full attention")
     add_stats_flag(p)
-    args = p.parse_args(argv)
-    check_policies(p, "--policies", args.policies)
-    options = policy_options(p, args, args.policies)
-    model, _, prompt = setup(args)
-    check_rounds_run(p, args, prompt.shape[1])
+    args, options, model, prompt = prepare(p, argv)
 
     geometry = dict(prompt_len=prompt.shape[1], new_tokens=args.new_tokens, budget=args.budget, buffer=args.buffer)
     need = {pol: per_sequence_bytes(model, policy=pol, **geometry) for pol in [None, *args.policies]}
@@ -61,13 +44,10 @@ def main(argv=None) -> int:
     rows = []
     for policy, per_seq in need.items():
         batch = memory // per_seq
-        ids = prompt.expand(batch, -1).contiguous()
-        row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
-                      seed=args.seed, options=options.get(policy), track_peak=True)
+        [row] = run_arms(model, prompt.expand(batch, -1).contiguous(), [policy], args, options, track_peak=True)
         row.update(kv_memory=memory, kv_bytes_per_sequence=per_seq, kv_bytes_predicted=batch * per_seq,
                    fits=row["kv_bytes_peak"] <= memory)
         rows.append(row)
-        print(json.dumps(row), flush=True)
     full = rows[0]
     for row in rows:
         row["x_full_tokens_per_s"] = row["tokens_per_s"] / full["tokens_per_s"]

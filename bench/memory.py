@@ -19,19 +19,8 @@ import resource
 import subprocess
 import sys
 
-from bench.common import (
-    REPO_ROOT,
-    add_stats_flag,
-    bench_parser,
-    check_policies,
-    check_rounds_run,
-    meta,
-    policy_options,
-    positive_int,
-    run_one,
-    setup,
-    write_results,
-)
+from bench.common import (REPO_ROOT, add_stats_flag, bench_parser, check_policies, check_rounds_run, meta,
+                          policy_options, positive_int, run_arms, setup, write_results)
 
 MARK = "ARM-RESULT "
 
@@ -43,12 +32,11 @@ def peak_rss_bytes() -> int:
 def run_arm(p, args) -> int:
     """The child: one generation under ``args.arm``; prints its row after MARK."""
     policy = None if args.arm == "full" else args.arm
-    options = policy_options(p, args, [args.arm]).get(args.arm)
+    options = policy_options(p, args, [args.arm])
     model, _, prompt = setup(args)
     check_rounds_run(p, args, prompt.shape[1])
     before = peak_rss_bytes()
-    row = run_one(model, prompt.expand(args.batch, -1).contiguous(), policy=policy, budget=args.budget,
-                  buffer=args.buffer, new_tokens=args.new_tokens, seed=args.seed, options=options, track_peak=True)
+    [row] = run_arms(model, prompt.expand(args.batch, -1).contiguous(), [policy], args, options, track_peak=True)
     row.update(rss_peak_before=before, rss_peak=peak_rss_bytes())
     row["rss_growth"] = row["rss_peak"] - before
     info = meta(args, model, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens, batch=args.batch)

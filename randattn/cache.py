@@ -105,15 +105,29 @@ class EvictingLayer(CacheLayerMixin):
     def _slot_tensors(self) -> dict:
         return {name: getattr(self, name) for name in self._SLOT_FIELDS if getattr(self, name) is not None}
 
-    def _append(self, **new: torch.Tensor) -> None:
-        start, q = self.keys.shape[2], new["keys"].shape[2]
-        if start + q > self._buf["keys"].shape[2]:  # a long prefill or chunk: grow once
-            old = self._slot_tensors()
-            self._store(**{k: torch.cat([old[k], t], dim=2) for k, t in new.items()})
-            return
-        for name, t in new.items():
-            self._buf[name][:, :, start : start + q] = t
+    def _write(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``q`` new pairs into the room after slot ``start`` (the common decode step: no allocation)."""
+        buf, q = self._buf, keys.shape[2]
+        buf["keys"][:, :, start : start + q] = keys
+        buf["values"][:, :, start : start + q] = values
+        if q == 1:  # one decode step: a scalar fill, no index tensor
+            buf["positions"][:, :, start] = self.seq_len
+        else:
+            buf["positions"][:, :, start : start + q] = torch.arange(self.seq_len, self.seq_len + q,
+                                                                     device=buf["positions"].device)
+        if "attention" in buf:
+            buf["attention"][:, :, start : start + q] = 0
         self._views(start + q)
+
+    def _grow(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append a prefill or chunk longer than the room left: one concatenation into a larger buffer."""
+        b, h, q, _ = keys.shape
+        positions = torch.arange(self.seq_len, self.seq_len + q, device=self.positions.device).expand(b, h, q)
+        new = dict(keys=keys, values=values, positions=positions)
+        if self.attention is not None:
+            new["attention"] = torch.zeros((b, self.attention.shape[1], q), dtype=torch.float32, device=keys.device)
+        old = self._slot_tensors()
+        self._store(**{k: torch.cat([old[k], t], dim=2) for k, t in new.items()})
 
     def _keep(self, kept: torch.Tensor) -> None:
         """Keep slots ``kept[B, H_kv, K]`` (sorted) of every per-slot tensor."""
@@ -154,11 +168,11 @@ class EvictingLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: cache holds batch={self.keys.shape[0]}, kv_heads={self.keys.shape[1]} "
                 f"but got batch={b}, kv_heads={h}; use a fresh EvictingCache per batch"
             )
-        new_pos = torch.arange(self.seq_len, self.seq_len + q, device=self.positions.device)
-        new = dict(keys=key_states, values=value_states, positions=new_pos.expand(b, h, q))
-        if self.attention is not None:
-            new["attention"] = torch.zeros((b, self.attention.shape[1], q), dtype=torch.float32, device=key_states.device)
-        self._append(**new)
+        start = self.keys.shape[2]
+        if start + q <= self._buf["keys"].shape[2]:
+            self._write(start, key_states, value_states)
+        else:
+            self._grow(key_states, value_states)
         self.seq_len += q
         if self.attention is not None:
             self._accumulate_attention()
@@ -317,6 +331,18 @@ class EvictingCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(EvictingLayer(self, len(self.layers)))
         return self.layers[layer_idx]
+
+    def wants_queries(self, layer_idx: int, new_tokens: int) -> bool:
+        """Whether a forward of ``new_tokens`` at ``layer_idx`` must hand its queries over (the capture hook
+        asks before recomputing them). Accumulated attention needs every step's; a query window only the
+        last ``window`` before the next round, which fires when ``K + r`` pairs are stored. Skipping the
+        others saves recomputing the queries (~10% of a decode step) without changing any round's input."""
+        if not self.needs_queries:
+            return False
+        if self.needs_attention:
+            return True
+        stored = self._layer(layer_idx).physical_length
+        return stored + new_tokens > self.budget + self.buffer - self.query_window
 
     def _observe_queries(self, layer_idx: int, queries: torch.Tensor, scaling: float) -> None:
         """Called by the capture hook before the layer's ``update`` (see :mod:`randattn.capture`)."""

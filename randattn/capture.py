@@ -66,6 +66,8 @@ def _capture_hook(module, args, kwargs):
             f"{type(module).__name__} was called without hidden_states/position_embeddings keywords; "
             f"policy {cache.policy.name!r} cannot capture its queries"
         )
+    if not cache.wants_queries(int(module.layer_idx), hidden.shape[-2]):
+        return None  # too far from the next round for these queries to be in its window
     with torch.no_grad():
         q = recompute_queries(module, hidden, pos_emb)
     cache._observe_queries(int(module.layer_idx), q, module.scaling)

@@ -516,6 +516,38 @@ def test_hf_generate_equals_replay_for_selectors(tiny, policy):
     torch.testing.assert_close(gen_lp, rep.logprobs[:, 12:], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("policy,window,buffer", [("snapkv", 4, 12), ("rkv", 8, 12), ("vase", 32, 12),
+                                                   ("snapkv", 6, 6)])
+def test_queries_are_captured_only_where_a_round_reads_them(tiny, monkeypatch, policy, window, buffer):
+    """The capture hook skips steps too far from the next round for their queries to be in its window;
+    every round must see exactly the queries it sees when every step is captured."""
+    model = tiny("llama")
+    ids = random_ids(2, 10, seed=3)
+
+    def run(always: bool):
+        cache = randattn.EvictingCache(policy, budget=30, buffer=buffer, seed=1, keep_log=True, window=window)
+        seen = []
+        real = cache._observe_queries
+        cache._observe_queries = lambda layer, q, scaling: (seen.append(q.shape[2]), real(layer, q, scaling))
+        if always:
+            monkeypatch.setattr(cache, "wants_queries", lambda layer, n: True)
+        out = randattn.generate(model, ids, cache, max_new_tokens=60, min_new_tokens=60, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True)
+        return cache, out, len(seen)
+
+    skip, out_skip, n_skip = run(False)
+    every, out_every, n_every = run(True)
+    assert min(skip.events) >= 3
+    assert len(skip.keep_log) == len(every.keep_log)
+    assert all((a == b).all() for a, b in zip(skip.keep_log.kept, every.keep_log.kept))
+    assert torch.equal(out_skip.sequences, out_every.sequences)
+    torch.testing.assert_close(torch.stack(out_skip.scores), torch.stack(out_every.scores), atol=0, rtol=0)
+    if window < buffer:  # only then are there steps no round reads
+        assert n_skip < n_every
+    else:
+        assert n_every - n_skip <= len(skip.layers) * (30 + buffer - window)  # only before the first round
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Prompt protection
 # ---------------------------------------------------------------------------------------------
