@@ -36,6 +36,8 @@ FIGURES = {
     "accuracy": ("figures.accuracy:plot", R / "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl", "python -m probes.accuracy"),
     "bench_decode": ("figures.bench:plot_decode", R / "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", R / "bench/round_cost.json", "python -m bench.round_cost"),
+    "bench_batch_scaling": ("figures.bench:plot_batch_scaling", R / "bench/batch_scaling.json",
+                            "python -m bench.batch_scaling"),
 }
 
 

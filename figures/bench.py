@@ -1,4 +1,4 @@
-"""Benchmark figures: decode throughput and KV memory (full vs Random), per-round cost per policy."""
+"""Benchmark figures: decode throughput and KV memory (full vs Random), per-round cost per policy, batch scaling."""
 
 from __future__ import annotations
 
@@ -64,6 +64,36 @@ def plot_round_cost(results: "str | Path", out_dir=None, name: str = "bench_roun
         ax.set_title(shape, fontsize=10)
         ax.legend(fontsize=8)
     fig.suptitle(f"Per-round eviction cost on {data['meta']['device']} ({data['meta'].get('threads', '?')} threads)",
+                 fontsize=10)
+    fig.tight_layout()
+    return style.save(fig, name, out_dir)
+
+
+def plot_batch_scaling(results: "str | Path", out_dir=None, name: str = "bench_batch_scaling") -> list[Path]:
+    """Throughput vs batch per policy (left) and each policy's per-round cost vs batch (right)."""
+    data = _load(results, "python -m bench.batch_scaling")
+    meta, rows = data["meta"], data["rows"]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    style.apply()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for i, policy in enumerate(policies):
+        sel = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["batch"])
+        label = "full attention" if policy == "full" else policy
+        kw = dict(marker="o", ms=4, color=style.PALETTE[i % len(style.PALETTE)], label=label,
+                  ls="--" if policy == "full" else "-")
+        axes[0].plot([r["batch"] for r in sel], [r["tokens_per_s"] for r in sel], **kw)
+        if policy != "full":
+            axes[1].plot([r["batch"] for r in sel], [r["ms_per_round"] for r in sel], **kw)
+    for ax, label in ((axes[0], "decode throughput, all sequences (tokens/s)"),
+                      (axes[1], "one round, one layer, whole batch (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(meta["batches"], [str(b) for b in meta["batches"]])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{meta['new_tokens']} new tokens, K={meta['budget']}, r={meta['buffer']}: {meta['model']} on "
+                 f"{meta['device']} ({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}",
                  fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)
