@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import randattn
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
 from .common import base_parser, check_policies, policy_slug, positive_int
 from .planted_run import write_csv
-from .results import git_revision
+from .results import NotOurFile, OutputFolder, git_revision
 from .tasks import TASKS
 
 SIZES = {  # default: well under an hour on the embedded model on 2 CPUs; --quick: minutes
@@ -74,7 +73,7 @@ def challenge_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
                        help=f"override the size '{name}' (default {SIZES['full'][name]}, --quick "
                             f"{SIZES['quick'][name]})")
-    p.add_argument("--restart", action="store_true", help="discard earlier results in --out")
+    p.add_argument("--restart", action="store_true", help="start afresh: earlier results in --out are moved aside to --out.previous-N (never deleted)")
     return p
 
 
@@ -173,10 +172,12 @@ def main(argv=None) -> int:
     for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
         if getattr(args, name) is not None:
             sizes[name] = getattr(args, name)
-    out = Path(args.out) if args.out else default_out(args)
-    if args.restart and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    folder = OutputFolder(Path(args.out) if args.out else default_out(args), restart=args.restart)
+    try:
+        folder.check()  # before the model loads: a folder of someone else's files is refused, untouched
+    except (NotOurFile, PermissionError) as exc:
+        p.error(str(exc))
+    out = folder.path
 
     model, tok = randattn.load_model(args.model, device=args.device)
     ctx = Context(args, p, model, tok, policies, out, sizes)
@@ -184,6 +185,9 @@ def main(argv=None) -> int:
         error = preflight(model, tok, pol, protect=args.protect_prompt, options=ctx.options(pol))
         if error:
             p.error(f"--policy {pol}: the selector failed a trial run on the model before any work started: {error}")
+    folder.open()  # only now: --restart moves the old results aside (never deletes), after the trial run passed
+    if folder.moved_to is not None:
+        print(f"--restart: the earlier results are kept in {folder.moved_to}")
     print(f"challenge: {args.policy} vs random{' (+ ' + ', '.join(args.baselines) + ')' if args.baselines else ''} | "
           f"model {args.model or randattn.DEFAULT_MODEL} | K={args.budget}, r={args.buffer}, prompt "
           f"{'protected' if args.protect_prompt else 'unprotected'} | parts {', '.join(parts)} | results in {out}")

@@ -31,7 +31,7 @@ from .grid_spec import Spec, SpecError, Unit, embedded_name, stable_id
 from .passcode import FACT, INSTRUCTION, QUERY, compare, passcode_distance
 from .planted import Condition, InstanceBuilder, fact_metrics, model_shape, run_batch
 from .planted_run import DEFAULT_TRACES, Session, write_csv
-from .results import REPO_ROOT, ResultsFile, git_revision
+from .results import REPO_ROOT, ResultsFile, check_ours, git_revision
 from .tasks import Problem, TaskDataError, chat_ids, get_task, has_thinking_mode, load_problems
 
 
@@ -305,6 +305,7 @@ MERGE = {"accuracy": merge_accuracy, "passcode": merge_passcode}
 
 def write_rows(path: Path, output: Output, rows: list[dict]) -> None:
     """Write a merged result file in ``ResultsFile``'s format (config in every row), replacing it atomically."""
+    check_ours(path, output.key)  # a merge replaces the file: never one the user put there
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
     ResultsFile(tmp, output.config, output.key).append(rows)

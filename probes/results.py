@@ -1,8 +1,14 @@
-"""Result files for long runs: one JSON row per item, appended as it finishes, resumable.
+"""Result files for long runs: one JSON row per item, appended batch by batch, resumable.
 
 Every row carries the run's ``config`` (model, K, r, policy, seed, ...), so a file can always be
 traced back to what produced it and a figure regenerated from it. Reopening a file with a
 different config is refused rather than mixed.
+
+A results file is only ever written if it is one of ours (every complete line a row with a
+``config`` and the key fields) or does not exist yet: anything else given as ``--out`` is refused
+before a byte changes. Each batch goes to disk in one ``write`` and one ``fsync``, rows whose key is
+already there are never written again, and rows read back are de-duplicated by key, so a resume
+after a kill cannot count a row twice.
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ import subprocess
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["ResultsFile", "git_revision", "REPO_ROOT"]
+__all__ = ["ResultsFile", "NotOurFile", "git_revision", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class NotOurFile(ValueError):
+    """The path exists but is not a results file this toolkit wrote; nothing was changed."""
 
 
 def git_revision() -> str:
@@ -31,35 +41,75 @@ class ResultsFile:
     """Append-only JSONL of result rows keyed by ``key_fields``; knows which keys are done.
 
     ``config`` is stored in every row under ``"config"``; its ``revision`` entry (the git
-    revision) is informational and not compared on resume.
+    revision) is informational and not compared on resume. ``restart`` discards the rows of an
+    existing file, only once it is shown to be ours.
     """
 
     def __init__(self, path: "str | os.PathLike", config: dict, key_fields: tuple[str, ...], *, restart: bool = False):
         self.path = Path(path)
         self.config = dict(config)
-        self.key_fields = key_fields
+        self.key_fields = tuple(key_fields)
         self.rows: list[dict] = []
-        if restart and self.path.exists():
-            self.path.unlink()
+        self.duplicates = 0  # rows read back whose key was already seen (dropped)
         if self.path.exists():
-            self._load()
+            rows, torn = self._read_ours()
+            if restart:
+                self.path.unlink()
+            else:
+                self._check_config(rows)
+                if torn is not None:
+                    # A run killed mid-write leaves one torn last line of ours: cut it so new rows start clean.
+                    with open(self.path, "r+b") as f:
+                        f.truncate(torn)
+                self._adopt(rows)
         self.done = {self.key(r) for r in self.rows}
 
-    def _load(self) -> None:
-        mine = {k: v for k, v in self.config.items() if k != "revision"}
+    # -- reading --------------------------------------------------------------------------------
+    def _refuse(self, why: str) -> NotOurFile:
+        return NotOurFile(f"{self.path} is not a results file written by randattn ({why}); nothing was changed. "
+                          "Give --out a new file name (or a folder of your results).")
+
+    def _is_row(self, obj) -> bool:
+        return isinstance(obj, dict) and isinstance(obj.get("config"), dict) and all(k in obj for k in self.key_fields)
+
+    def _read_ours(self) -> "tuple[list[dict], int | None]":
+        """Every row of an existing file, and where a torn last line of ours starts (None: none). Raises
+        :class:`NotOurFile` (touching nothing) if any line is not one of our rows."""
+        if self.path.is_dir():
+            raise self._refuse("it is a folder")
         data = self.path.read_bytes()
+        cut = None
         if data and not data.endswith(b"\n"):
-            # A run killed mid-write leaves one torn last line: cut it off so new rows start clean.
-            data = data[: data.rfind(b"\n") + 1]
-            self.path.write_bytes(data)
-        for n, line in enumerate(data.decode().splitlines(), 1):
+            start = data.rfind(b"\n") + 1
+            tail = data[start:]
+            try:
+                obj = json.loads(tail)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            if obj is not None:
+                raise self._refuse("its last line is complete JSON but has no line end, which randattn never writes")
+            # Only a fragment that starts the way our rows start can be ours; anything else is the user's.
+            if not tail.startswith(b'{"' + self.key_fields[0].encode() + b'": '):
+                raise self._refuse("its last line is not the start of a result row")
+            cut, data = start, data[:start]
+        rows = []
+        for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                raise ValueError(f"{self.path}: line {n} is not JSON; fix or remove it (or pass --restart)") from None
-            theirs = {k: v for k, v in row.get("config", {}).items() if k != "revision"}
+                raise self._refuse(f"line {n} is not JSON") from None
+            if not self._is_row(row):
+                raise self._refuse(f"line {n} is not a result row with a config and the fields "
+                                   f"{', '.join(self.key_fields)}")
+            rows.append(row)
+        return rows, cut
+
+    def _check_config(self, rows: list[dict]) -> None:
+        mine = {k: v for k, v in self.config.items() if k != "revision"}
+        for row in rows:
+            theirs = {k: v for k, v in row["config"].items() if k != "revision"}
             if theirs != mine:
                 diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ValueError(
@@ -67,19 +117,103 @@ class ResultsFile:
                     + "; ".join(f"{k}: file {theirs.get(k)!r} vs now {mine.get(k)!r}" for k in diff[:4])
                     + "). Pass --out to write elsewhere, or --restart to discard the old results."
                 )
+
+    def _adopt(self, rows: list[dict]) -> None:
+        seen = set()
+        for row in rows:
+            k = self.key(row)
+            if k in seen:
+                self.duplicates += 1
+                continue
+            seen.add(k)
             self.rows.append(row)
 
     def key(self, row: dict) -> tuple:
-        return tuple(row[k] for k in self.key_fields)
+        return tuple(_hashable(row[k]) for k in self.key_fields)
 
-    def append(self, rows: Iterable[dict]) -> None:
-        """Write rows now (flushed and synced), so an interrupted run loses only what was in flight."""
-        rows = [{**r, "config": self.config} for r in rows]
+    # -- writing --------------------------------------------------------------------------------
+    def append(self, rows: Iterable[dict]) -> list[dict]:
+        """Write the rows whose key is not there yet, in one write and one fsync (so an interrupted run loses
+        at most the batch in flight, never half of it). Returns the rows written."""
+        fresh, keys = [], set()
+        for r in rows:
+            k = self.key(r)
+            if k in self.done or k in keys:
+                continue
+            keys.add(k)
+            # Key fields first: a torn last line is then recognisable as ours by how it starts.
+            fresh.append({**{f: r[f] for f in self.key_fields}, **r, "config": self.config})
+        if not fresh:
+            return []
+        blob = "".join(json.dumps(r) + "\n" for r in fresh).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.rows.extend(rows)
-        self.done.update(self.key(r) for r in rows)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(blob)
+            while view:  # a regular file takes it in one write; loop only if the kernel says otherwise
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.rows.extend(fresh)
+        self.done.update(keys)
+        return fresh
+
+
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def check_ours(path: "str | os.PathLike", key_fields: tuple[str, ...]) -> None:
+    """Raise :class:`NotOurFile` unless ``path`` is absent or one of our results files (reads only)."""
+    path = Path(path)
+    if path.exists():
+        probe = ResultsFile.__new__(ResultsFile)
+        probe.path, probe.key_fields = path, tuple(key_fields)
+        probe._read_ours()
+
+
+OUT_MARKER = ".randattn-out"  # written into every results folder a command creates or adopts
+
+
+class OutputFolder:
+    """A results folder a command owns: created new, adopted while empty, or recognised by its marker.
+
+    :meth:`check` runs before any compute and refuses a folder holding files randattn did not write;
+    :meth:`open` (after the run's own trial checks) creates it, or with ``restart`` moves the old one
+    aside to ``<name>.previous-<n>`` -- nothing is ever deleted.
+    """
+
+    def __init__(self, path: "str | os.PathLike", *, restart: bool = False):
+        self.path = Path(path)
+        self.restart = restart
+        self.moved_to: "Path | None" = None
+
+    def check(self) -> None:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise NotOurFile(f"--out {p} is a file, not a folder; give a folder for the results")
+        if p.is_dir() and not (p / OUT_MARKER).exists():
+            found = sorted(x.name + ("/" if x.is_dir() else "") for x in p.iterdir())
+            if found:
+                shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+                raise NotOurFile(f"--out {p} already holds files randattn did not write ({shown}); nothing was changed. "
+                                 "Give --out a new or empty folder.")
+        parent = p.parent if not p.exists() else p
+        while not parent.exists():
+            parent = parent.parent
+        if not os.access(parent, os.W_OK):
+            raise PermissionError(f"--out {p}: {parent} is not writable; give --out a folder you can write to")
+
+    def open(self) -> Path:
+        self.check()
+        p = self.path
+        if self.restart and p.is_dir():
+            n = 1
+            while p.with_name(f"{p.name}.previous-{n}").exists():
+                n += 1
+            self.moved_to = p.with_name(f"{p.name}.previous-{n}")
+            p.rename(self.moved_to)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / OUT_MARKER).write_text("results folder written by randattn; --restart moves it aside, never deletes it\n")
+        return p
