@@ -25,7 +25,7 @@ def bench_parser(doc: str, *, new_tokens: int = 4096, budget: int = 1024, buffer
     """The probes' common flags plus the ones every benchmark takes; defaults are the paper's geometry."""
     p = base_parser(doc)
     p.add_argument("--new-tokens", type=positive_int, default=new_tokens, help="tokens generated per sequence")
-    p.add_argument("--budget", type=positive_int, default=budget, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--budget", type=positive_int, default=budget, help="T: pairs each KV head holds right after a round, the newest r among them")
     p.add_argument("--buffer", type=positive_int, default=buffer, help="r: new pairs between rounds")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
@@ -64,7 +64,8 @@ def warm_up(model, prompt) -> None:
     """A few untimed steps first, so one-off costs (allocator, kernel selection) land in no arm's timing."""
     from transformers import DynamicCache
 
-    randattn.generate(model, prompt, randattn.EvictingCache("random", budget=prompt.shape[1] + 1, buffer=2),
+    randattn.generate(model, prompt, randattn.EvictingCache("random", budget=prompt.shape[1] + 1, buffer=2,
+                                                            protect_prompt=False),
                       max_new_tokens=8, min_new_tokens=8, do_sample=False)
     model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=DynamicCache(), max_new_tokens=8,
                    min_new_tokens=8, do_sample=False)
@@ -83,13 +84,13 @@ def prepare(p: argparse.ArgumentParser, argv):
 
 
 def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:
+    if args.budget <= prompt_len + args.buffer:
+        p.error(f"--budget {args.budget} cannot hold the protected {prompt_len}-token prompt plus one free slot beside "
+                f"the recent window of r={args.buffer}; use --budget >= {prompt_len + 1 + args.buffer}")
     total = prompt_len + args.new_tokens
     if total < args.budget + args.buffer:
-        p.error(f"{total} tokens never reach K + r = {args.budget + args.buffer}: no eviction would run; "
+        p.error(f"{total} tokens never reach T + r = {args.budget + args.buffer}: no eviction would run; "
                 "raise --new-tokens or lower --budget")
-    if args.budget <= prompt_len:
-        p.error(f"--budget {args.budget} cannot hold the protected {prompt_len}-token prompt plus one free slot; "
-                f"use --budget >= {prompt_len + 1}")
 
 
 # -- KV memory --------------------------------------------------------------------------------------
@@ -186,6 +187,7 @@ def meta(args, model, **extra) -> dict:
     """Where and how a result was measured; every benchmark's JSON starts with it."""
     return {
         "model": args.model or randattn.DEFAULT_MODEL,
+        "engine": randattn.ENGINE,
         "device": str(model.device),
         "dtype": str(model.dtype),
         "torch_threads": torch.get_num_threads(),

@@ -384,13 +384,18 @@ def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[di
     return paths
 
 
-def check_prompt_fits(p: argparse.ArgumentParser, arms: list[Arm], longest: int) -> None:
-    """A protected prompt needs K >= its length + 1; otherwise stop, naming the flag that set K."""
+def check_prompt_fits(p: argparse.ArgumentParser, arms: list[Arm], longest: int, buffer: int) -> None:
+    """T must exceed the recent window r, and a protected prompt needs T >= its length + 1 + r (the newest r pairs
+    are kept outside the selection); otherwise stop, naming the flag that set T."""
     for arm in arms:
-        if arm.protect and arm.budget <= longest:
-            flag = f"--compression {arm.compression:g}" if arm.compression else f"--budget {arm.budget}"
-            p.error(f"{flag}: K={arm.budget} cannot hold the protected {longest}-token prompt plus one slot; use K >= "
-                    f"{longest + 1}, a smaller compression, or --no-protect-prompt")
+        flag = f"--compression {arm.compression:g}" if arm.compression else f"--budget {arm.budget}"
+        if arm.budget <= buffer:
+            p.error(f"{flag}: T={arm.budget} must exceed the recent window r={buffer} (the newest r pairs are kept "
+                    f"untouched and T - r selected); use T > {buffer}, a smaller compression, or a smaller --buffer")
+        if arm.protect and arm.budget < longest + 1 + buffer:
+            p.error(f"{flag}: T={arm.budget} cannot hold the protected {longest}-token prompt plus one slot beside the "
+                    f"recent window of r={buffer}; use T >= {longest + 1 + buffer}, a smaller compression, or "
+                    f"--no-protect-prompt")
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -409,7 +414,7 @@ def repo_relative(path: Optional[str]) -> Optional[str]:
 
 def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -> dict:
     """The configuration stored in every row of a result file (a resumed run must match it)."""
-    return {"probe": "accuracy", "model": model_name, "task": task, "buffer": args.buffer,
+    return {"probe": "accuracy", "engine": randattn.ENGINE, "model": model_name, "task": task, "buffer": args.buffer,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "seed": args.seed, "batch": args.batch, "thinking": thinking, "data": repo_relative(args.data),
             "stats": stats, "policy_options": args.options, "revision": git_revision()}
@@ -449,7 +454,7 @@ def main(argv=None, loaded=None) -> int:
     policies = [x for x in args.policy if x != FULL]
     if args.compression is None:
         arms = [Arm(pol, k, args.protect_prompt) for k in dict.fromkeys(budgets) for pol in policies]
-        check_prompt_fits(p, arms, longest)
+        check_prompt_fits(p, arms, longest, args.buffer)
     if args.compression is not None or FULL in args.policy:
         run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], args, p, stats)
     if args.compression is not None:
@@ -458,7 +463,7 @@ def main(argv=None, loaded=None) -> int:
               + ", ".join(f"{c:g}x: K={k}" for c, k in budgets.items()))
         firsts = {k: c for c, k in reversed(list(budgets.items()))}  # two factors rounding to one K run once
         arms = [Arm(pol, k, args.protect_prompt, c) for k, c in sorted(firsts.items(), reverse=True) for pol in policies]
-        check_prompt_fits(p, arms, longest)
+        check_prompt_fits(p, arms, longest, args.buffer)
     run_arms(rf, model, tok, task, problems, prompts, arms, args, p, stats)
     rows = [r for r in rf.rows if r["problem"] in ids and r["run"] < args.runs]
     table = summarize(rows, seed=args.seed)

@@ -57,7 +57,7 @@ def challenge_parser() -> argparse.ArgumentParser:
                                                    "registered name")
     p.add_argument("--baselines", nargs="*", default=[], help="named selectors run alongside, also against Random "
                                                               "(e.g. snapkv rkv triattention)")
-    p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--budget", type=positive_int, default=256, help="T: pairs each KV head holds right after a round, the newest r among them")
     p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
     p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
                    help="score only: the prompt competes with everything else, for every policy (default: protected)")

@@ -48,7 +48,7 @@ def ranges(sorted_positions) -> str:
 def check_policies(parser: argparse.ArgumentParser, flag: str, names, *, extra=()) -> None:
     """Every name is a registered policy or a loadable ``MODULE:CALLABLE`` selector (see ``randattn.load_policy``);
     otherwise stop with a usage error naming ``flag``. ``extra``: other accepted words, such as ``full``."""
-    known = randattn.known_policies()
+    known = [*randattn.known_policies(), *randattn.PAPER_MODES]
     for name in names:
         if name in extra or name in known:
             continue

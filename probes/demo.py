@@ -27,7 +27,7 @@ DEFAULT_PROMPT = (
 def main(argv=None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--policy", default="random", help=f"one of {', '.join(randattn.known_policies())}")
-    p.add_argument("--budget", type=positive_int, default=128, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--budget", type=positive_int, default=128, help="T: pairs each KV head holds right after a round, the newest r among them")
     p.add_argument("--buffer", type=positive_int, default=32, help="r: new pairs between rounds")
     p.add_argument("--max-new-tokens", type=positive_int, default=320)
     p.add_argument("--no-protect-prompt", action="store_true", help="let the prompt be evicted too")

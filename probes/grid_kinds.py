@@ -219,7 +219,8 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
         for policy in spec.policies:
             _cache_check(f"policies: {policy} at K={k}, r={r}", lambda: randattn.EvictingCache(
                 policy, budget=k, buffer=r, protect_prompt=protect, **options[policy]))
-            config = {"probe": "passcode", "model": model, "traces": trace_label, "budget": k, "buffer": r,
+            config = {"probe": "passcode", "engine": randattn.ENGINE, "model": model, "traces": trace_label, "budget": k,
+                      "buffer": r,
                       "distance": distance, "box_width": spec.box_width, "policy": policy,
                       "policy_options": {o: v for o, v in options[policy].items() if o != "stats"},
                       "protect_prompt": protect, "seed": seed, "batch": spec.batch, "n_facts": 1, "kv_heads": n_heads,

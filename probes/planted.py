@@ -341,16 +341,16 @@ def run_batch(model, instances: Sequence[Instance], conditions: Sequence[Conditi
 
 
 def audit_keep_log(cache: randattn.EvictingCache, cond: Condition, facts: Sequence[Fact], n_heads: int) -> int:
-    """Check from the keep-log that every box survived exactly where ``cond`` says, at every round after
-    the box was complete. Returns the number of (round, layer, row, head) records checked; raises on a
-    violation."""
+    """Check from the keep-log that every box survived exactly where ``cond`` says, at every round the whole
+    box competed in (complete and older than the recent window, which every head keeps untouched). Returns the
+    number of (round, layer, row, head) records checked; raises on a violation."""
     log = cache.keep_log
     checked = 0
     for layer_idx in sorted(set(log.layers)):
         for round_idx, seq_len, kept in log.for_layer(layer_idx):
             for i, fact in enumerate(facts):
                 want = cond.expected(i, layer_idx, n_heads)
-                if want is None or seq_len < fact.box_end:
+                if want is None or seq_len - log.recent < fact.box_end:
                     continue
                 box = np.arange(fact.box_start, fact.box_end)
                 have = (kept[..., None] == box).any(axis=2)  # [B, H, width]

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
+from randattn.keepstats import random_round_survival
 from randattn.stats import Estimate, mean_ci, recall_ci
 from randattn.traces import load_traces
 
@@ -36,7 +37,8 @@ def planted_parser(description: str, *, instances: int = 48) -> argparse.Argumen
     g.add_argument("--traces", default=None,
                    help=f"JSONL with a 'text' field per row: the filler (default: {DEFAULT_TRACES.relative_to(REPO_ROOT)}, "
                         "the embedded model's own solutions; use traces of the model you probe)")
-    g.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    g.add_argument("--budget", type=positive_int, default=256,
+                   help="T: pairs each KV head holds right after a round, the newest r among them (the paper's engine)")
     g.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
     g.add_argument("--distance", type=positive_int, default=384,
                    help="tokens from the first fact-box token to the first answer token")
@@ -120,7 +122,8 @@ def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
         "budget": args.budget, "buffer": args.buffer, "distance": args.distance, "box_width": args.box_width,
         "policy": args.policy, "policy_options": {k: v for k, v in policy_options.items() if k != "stats"},
         "protect_prompt": args.protect_prompt, "seed": args.seed, "batch": args.batch, "n_facts": n_facts,
-        "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "revision": git_revision(),
+        "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "engine": randattn.ENGINE,
+        "revision": git_revision(),
     }
     out = out or (Path(args.out) if args.out else Path("data/results") / probe / f"{_slug(config)}.jsonl")
     try:
@@ -139,11 +142,12 @@ def _slug(config: dict) -> str:
 
 def describe(s: Session) -> str:
     a, b = s.args, s.builder
-    survival = a.budget / (a.budget + a.buffer)
+    survival = random_round_survival(a.budget, a.buffer, len(b.stub), a.protect_prompt)
     rounds = math.ceil((a.distance - a.box_width) / a.buffer)
     return (f"model {s.results.config['model']} ({s.n_layers} layers, {s.n_heads} KV heads) | background "
-            f"{a.policy}{' +prompt protection' if a.protect_prompt else ''} | K={a.budget} kept per head after a "
-            f"round, r={a.buffer} buffer (per-round survival {survival:.3f}) | distance {a.distance} "
+            f"{a.policy}{' +prompt protection' if a.protect_prompt else ''} | T={a.budget} per head after a "
+            f"round (the newest r={a.buffer} among them), r={a.buffer} buffer (per-round survival {survival:.3f}) | "
+            f"distance {a.distance} "
             f"(~{rounds} rounds between fact and answer) | {b.length} tokens per instance, stub {len(b.stub)}")
 
 

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--traces", default=None, help="JSONL with 'question' and 'text' fields (default: the shipped corpus)")
     p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared")
-    p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--budget", type=positive_int, default=256, help="T: pairs each KV head holds right after a round, the newest r among them")
     p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
     p.add_argument("--body", type=positive_int, default=512,
                    help="reasoning tokens between question and restatement (body / r rounds run)")
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     if args.budget <= tasks.prompt_len + 1:
         p.error(f"--budget {args.budget} cannot hold the {tasks.prompt_len}-token protected prompt plus one slot")
     model_name = args.model or randattn.DEFAULT_MODEL
-    config = {"probe": "prompt_protection", "model": model_name, "budget": args.budget, "buffer": args.buffer,
+    config = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": args.budget,
+              "buffer": args.buffer,
               "body": args.body, "seed": args.seed, "batch": args.batch, "prompt_len": tasks.prompt_len,
               "traces": str(traces.resolve().relative_to(REPO_ROOT)) if traces.resolve().is_relative_to(REPO_ROOT)
               else str(traces), "revision": git_revision()}

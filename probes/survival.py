@@ -1,16 +1,17 @@
 """Survival of generated positions and keep-log metrics per policy, from keep-logs of real text.
 
-    python -m probes.survival                        # every policy, K=256, r=16, 24 rounds, 4 sequences
+    python -m probes.survival                        # every policy, T=256, r=16, 24 rounds, 4 sequences
     python -m probes.survival --policies random snapkv --modes protected
-    python -m probes.survival --paper                # K=1024, r=64 (the paper's geometry)
+    python -m probes.survival --paper                # T=1024, r=64 (the paper's geometry)
 
 Each sequence is a chat built from the trace corpus: the question of one trace is the prompt
 (protected in the ``protected`` mode), followed by the model's own solution and further
-question/solution turns of other traces, cut to ``K + rounds * r`` tokens so that exactly
+question/solution turns of other traces, cut to ``T + rounds * r`` tokens so that exactly
 ``rounds`` eviction rounds run per layer. Every policy replays the same sequences with a keep-log
 (teacher forcing has the rounds token-by-token decoding has). From the logs: per-head and
-union-over-heads survival of generated positions by age and by rounds survived, Random's curves
-against ``(K/(K+r))^n`` (``((K-lp)/(K+r-lp))^n`` with the prompt pinned) and ``1-(1-s)^H``, and the
+union-over-heads survival of generated positions by age and by rounds competed in (the newest r of a
+round sit it out, as in the paper's engine), Random's curves against ``q^n`` with
+``q = (T-r)/T`` (``(T-r-lp)/(T-lp)`` with the prompt pinned) and ``1-(1-q^n)^H``, and the
 keep-log metrics of :mod:`randattn.keepstats`. ``--seed`` fixes both the eviction draws and which
 traces form the chats.
 """
@@ -55,9 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                    help="'protected': prompt pinned (the paper's '+ prompt protection'); 'score-only': the policy "
                         "alone decides about the prompt too (the only mode where prompt survival can differ)")
-    p.add_argument("--budget", type=positive_int, default=256, help="K: pairs each KV head keeps after a round")
+    p.add_argument("--budget", type=positive_int, default=256,
+                   help="T: pairs each KV head holds right after a round, the newest r among them (the paper's engine)")
     p.add_argument("--buffer", type=positive_int, default=16,
-                   help="r: new pairs between rounds (K=256, r=16 keeps the paper's per-round survival K/(K+r)=0.94)")
+                   help="r: new pairs between rounds (T=256, r=16 keeps the paper's per-round survival (T-r)/T=0.9375)")
     p.add_argument("--paper", action="store_true", help="the paper's geometry K=1024, r=64 (overrides --budget/--buffer)")
     p.add_argument("--rounds", type=positive_int, default=24,
                    help="eviction rounds per layer; each sequence is cut to K + rounds*r tokens")
@@ -332,7 +334,8 @@ def main(argv=None) -> int:
         trace_label = str(traces.resolve().relative_to(REPO_ROOT))
     except ValueError:
         trace_label = str(traces)
-    config = {"probe": "survival", "model": args.model or randattn.DEFAULT_MODEL, "traces": trace_label,
+    config = {"probe": "survival", "engine": randattn.ENGINE, "model": args.model or randattn.DEFAULT_MODEL,
+              "traces": trace_label,
               "budget": args.budget, "buffer": args.buffer, "rounds": args.rounds, "length": length,
               "sequences": args.sequences, "batch": args.batch, "seed": args.seed, "age_bin": args.age_bin,
               "entropy_bins": args.entropy_bins, "kv_heads": n_heads, "layers": n_layers, "revision": git_revision()}

@@ -7,7 +7,7 @@ Core objects:
     policies        score functions; ``register_policy`` adds your own.
 """
 
-from .cache import EvictingCache, EvictingLayer, round_seed
+from .cache import ENGINE, EvictingCache, EvictingLayer, round_seed
 from .decoding import Replay, ReplayResult, decode_step, generate, replay, replay_tokenwise
 from .keeplog import KeepLog
 from .models import (
@@ -19,14 +19,24 @@ from .models import (
     load_model,
     resolve_device,
 )
-from .policies import CacheView, Policy, known_policies, load_policy, make_policy, register_policy, score_function
-from . import selectors  # noqa: F401  (registers h2o, snapkv, rkv, vase)
+from .policies import (
+    PAPER_MODES,
+    CacheView,
+    Policy,
+    known_policies,
+    load_policy,
+    make_policy,
+    register_policy,
+    score_function,
+)
+from . import selectors  # noqa: F401  (registers h2o, snapkv, snapkv-longbench, rkv, rkv-official, vase)
 from . import triattention  # noqa: F401  (registers triattention)
 from .triattention import TriAttentionStats, check_stats, load_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ENGINE",
     "EvictingCache",
     "EvictingLayer",
     "KeepLog",
@@ -35,6 +45,7 @@ __all__ = [
     "register_policy",
     "make_policy",
     "known_policies",
+    "PAPER_MODES",
     "load_policy",
     "score_function",
     "load_model",

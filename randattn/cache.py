@@ -1,10 +1,13 @@
-"""The evicting KV cache: periodic ``(K, r)`` eviction per layer and per KV head.
+"""The evicting KV cache: periodic ``(T, r)`` eviction per layer and per KV head, as the paper's engine.
 
 HF attention modules call ``cache.update(k, v, layer_idx)`` with post-RoPE keys. Each
 :class:`EvictingLayer` appends them, returns everything it holds (so this step attends to all of
-it, exactly as the mask was sized), and, when it holds ``K + r`` pairs or more, runs an eviction
-round on what it *stores*: every head keeps its own top-``K`` by the policy's score, in
-chronological order, and the rest are freed for good.
+it, exactly as the mask was sized), and, when it holds ``T + r`` pairs or more, runs an eviction
+round on what it *stores*. As in the paper's engine (``kvcompress/engine/cache_utils.py`` of
+``SalesforceAIResearch/Random-Attention``), the newest ``recent`` pairs (default ``r``) are no
+candidates: they are moved over untouched. Every head keeps its own top ``T - recent`` of the older
+pairs by the policy's score, in chronological order, and the rest are freed for good. So right after
+a round each head holds exactly ``T`` pairs (``budget``), the newest ``recent`` among them.
 
 Slots no longer equal positions after a round, so the layer keeps the absolute position of every
 slot (``positions[B, H_kv, P]``), reports the absolute length from :meth:`get_seq_length` (HF
@@ -25,9 +28,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ._memory import release_free_memory
 from .keeplog import KeepLog
-from .policies import CacheView, Policy, make_policy
+from .policies import CacheView, Policy, make_policy_and_mode, paper_mode_twin
 
-__all__ = ["EvictingCache", "EvictingLayer", "round_seed"]
+__all__ = ["EvictingCache", "EvictingLayer", "round_seed", "ENGINE"]
+
+#: What every result row records as its engine: the paper's (the newest ``recent`` = r pairs never compete,
+#: every selector as the paper ran it). Rows written before it lack the key, so they are never resumed into.
+ENGINE = "paper"
 
 _MASK64 = (1 << 64) - 1
 
@@ -267,21 +274,29 @@ class EvictingCache(Cache):
     """A per-KV-head evicting KV cache for HF causal LMs.
 
     Args:
-        policy: a policy name (see :func:`randattn.known_policies`), a :class:`Policy`, or a
-            function ``score(view) -> Tensor[B, H_kv, S]`` (higher = keep).
-        budget: ``K``, the pairs every KV head keeps after a round.
-        buffer: ``r``, new pairs allowed on top of ``K`` before the next round (the paper's engine
-            uses 64). A pair survives one Random round with probability ``K / (K + r)``.
+        policy: a policy name (see :func:`randattn.known_policies`; the paper's mode names such as
+            ``"random_pp"`` or ``"attn"`` are accepted too), a :class:`Policy`, or a function
+            ``score(view) -> Tensor[B, H_kv, S]`` (higher = keep).
+        budget: ``T`` (the paper's ``token_budget``), the pairs every KV head holds right after a
+            round, the recent window included.
+        buffer: ``r`` (the paper's ``residual_length``), new pairs allowed on top of ``T`` before the
+            next round (the paper's engine uses 64).
+        recent: the newest pairs of a round that are no candidates and are kept untouched; default
+            ``r``, as the paper's engine. ``recent=0`` lets all ``T + r`` pairs compete (an ablation).
+            A non-prompt candidate survives one Random round with probability
+            ``(T - recent - lp) / (T + r - recent - lp)`` (``(T - r - lp) / (T - lp)`` by default).
         protect_prompt: pin positions ``0..prompt_len-1`` at ``+inf`` (the paper's "+ prompt
-            protection" mode).
+            protection" mode). Default ``None``: the mode a paper alias names (``"attn"`` is SnapKV
+            score only, ``"attn_pp"`` protected), else ``True``.
         prompt_len: ``l_p``; by default the length of the first forward (the prefill).
         seed: randomness is drawn per (seed, layer, round) in float32 on the cache's device.
         keep_log: record the kept absolute positions of every head at every round
             (:attr:`keep_log`, a :class:`KeepLog`).
         policy_kwargs: options for a named policy (e.g. ``n_sink=4`` for ``"streamingllm"``).
 
-    Budget semantics: ``K`` is what each head keeps after a round and ``r`` the buffer on top, so
-    the physical cache never exceeds ``K + r`` pairs per head (``K + r - 1`` between forwards).
+    Budget semantics: ``T`` is what each head holds right after a round (``T - recent`` selected
+    plus the ``recent`` newest) and ``r`` the buffer on top, so the physical cache never exceeds
+    ``T + r`` pairs per head (``T + r - 1`` between forwards).
     """
 
     def __init__(
@@ -290,7 +305,8 @@ class EvictingCache(Cache):
         *,
         budget: int,
         buffer: int = 64,
-        protect_prompt: bool = True,
+        recent: Optional[int] = None,
+        protect_prompt: Optional[bool] = None,
         prompt_len: Optional[int] = None,
         seed: int = 0,
         keep_log: bool = False,
@@ -298,33 +314,74 @@ class EvictingCache(Cache):
     ):
         for name, val in (("budget", budget), ("buffer", buffer)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer (K pairs kept per head, r buffer), got {val!r}")
-        if prompt_len is not None and (not isinstance(prompt_len, (int, np.integer)) or prompt_len < 0):
-            raise ValueError(f"prompt_len must be a non-negative integer or None, got {prompt_len!r}")
+                raise ValueError(f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
+                                 f"got {val!r}")
         super().__init__(layers=[])
-        self.policy = make_policy(policy, **policy_kwargs)
+        # The policy first: a wrong name or option is the error a user wants to see before any budget arithmetic.
+        self.policy, native = make_policy_and_mode(policy, **policy_kwargs)
+        if recent is None:
+            if buffer >= budget:
+                raise ValueError(
+                    f"budget T={budget} must exceed the recent window, which is the buffer r={buffer} by default (the "
+                    f"newest r pairs are kept untouched, as in the paper's engine, where T - r of the older ones are "
+                    f"selected); use budget > {buffer}, a smaller buffer, or recent=0 to let all T + r pairs compete")
+            recent = buffer
+        if isinstance(recent, bool) or not isinstance(recent, (int, np.integer)) or not 0 <= recent < budget:
+            raise ValueError(f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
+                             f"competition; default buffer={buffer}), got {recent!r} with budget={budget}")
+        if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
+                                       or prompt_len < 0):
+            raise ValueError(f"prompt_len must be a non-negative integer or None, got {prompt_len!r}")
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
+            name = policy if isinstance(policy, str) else self.policy.name
+            raise ValueError(
+                f"policy {name!r} runs with the prompt {'protected' if native else 'unprotected'} by definition (a "
+                f"paper mode names its protection), but protect_prompt={protect_prompt!r}; drop protect_prompt, or "
+                f"use the other mode's name ({paper_mode_twin(name) or 'the plain policy name'})")
         self.budget = int(budget)
         self.buffer = int(buffer)
-        self.protect_prompt = bool(protect_prompt)
-        self.prompt_len: Optional[int] = None if prompt_len is None else int(prompt_len)
+        self.recent = int(recent)
+        self.protect_prompt = bool(native if protect_prompt is None and native is not None
+                                   else True if protect_prompt is None else protect_prompt)
+        self._init_prompt_len: Optional[int] = None if prompt_len is None else int(prompt_len)
+        self.prompt_len: Optional[int] = self._init_prompt_len
         self.seed = int(seed)
-        self.keep_log: Optional[KeepLog] = KeepLog() if keep_log else None
+        self._keep_log_on = bool(keep_log)
+        self.keep_log: Optional[KeepLog] = KeepLog(recent=self.recent) if keep_log else None
         self.round_seconds = 0.0
         self.sync_timing = False  # set True to synchronise CUDA around rounds for exact timers
         self._rules: list[_KeepRule] = []
+        self._shared: Optional[tuple] = None  # (round key, per-layer scores) of a policy scored across layers
         needs = set(getattr(self.policy, "needs", ()))
         self.needs_attention = "attention" in needs
         self.needs_queries = bool(needs & {"queries", "attention"})
-        self.query_window = max(int(getattr(self.policy, "window", 0) or 0), 1)
+        # A query window of None means "the queries since the last round" (the paper's buffer of r).
+        window = getattr(self.policy, "window", 0)
+        self.query_window = self.buffer if window is None else max(int(window or 0), 1)
+        if getattr(self.policy, "scope", "layer") == "model" and self.recent < 1:
+            raise ValueError(f"policy {self.policy.name!r} scores every layer's candidates at once, which needs "
+                             "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
         if self.prompt_len is not None:
             self._check_prompt_fits(self.prompt_len)
 
     def __repr__(self) -> str:
         return (
-            f"EvictingCache(policy={self.policy!r}, budget={self.budget}, buffer={self.buffer}, "
+            f"EvictingCache(policy={self.policy!r}, budget={self.budget}, buffer={self.buffer}, recent={self.recent}, "
             f"protect_prompt={self.protect_prompt}, prompt_len={self.prompt_len}, seed={self.seed}, "
             f"layers={len(self.layers)}, events={self.events})"
         )
+
+    def reset(self) -> None:
+        """Forget everything a sequence left behind, so the next prompt starts as in a new cache: stored pairs,
+        the prompt length (unless given to the constructor), keep-log, keep-mask pins and evictions, timers."""
+        self.layers = []
+        self.prompt_len = self._init_prompt_len
+        self.keep_log = KeepLog(recent=self.recent) if self._keep_log_on else None
+        self.round_seconds = 0.0
+        self._rules = []
+        self._shared = None
 
     # -- HF cache API --------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> EvictingLayer:
@@ -382,6 +439,7 @@ class EvictingCache(Cache):
             "policy": self.policy.name,
             "budget": self.budget,
             "buffer": self.buffer,
+            "recent": self.recent,
             "protect_prompt": self.protect_prompt,
             "prompt_len": self.prompt_len,
             "seq_len": self.get_seq_length(),
@@ -423,10 +481,13 @@ class EvictingCache(Cache):
 
     # -- the round -------------------------------------------------------------------------------
     def _check_prompt_fits(self, prompt_len: int) -> None:
-        if self.protect_prompt and prompt_len + 1 > self.budget:
+        # The paper's engine silently protects only the first T - r - 1 prompt tokens of a longer prompt
+        # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is refused here instead.
+        if self.protect_prompt and prompt_len + 1 > self.budget - self.recent:
             raise ValueError(
-                f"budget K={self.budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot; "
-                f"use budget >= {prompt_len + 1} or protect_prompt=False"
+                f"budget T={self.budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
+                f"beside the recent window of {self.recent}; use budget >= {prompt_len + 1 + self.recent} or "
+                f"protect_prompt=False"
             )
 
     def _rule_masks(self, layer_idx: int, positions: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -450,7 +511,8 @@ class EvictingCache(Cache):
         return pinned, evicted
 
     def _round(self, layer: EvictingLayer) -> None:
-        """One eviction round of one layer: score, per-head top-K, compaction, bookkeeping."""
+        """One eviction round of one layer: score the candidates, per-head top-(T - recent), keep the recent
+        window, compaction, bookkeeping."""
         timed_cuda = self.sync_timing and layer.keys.is_cuda
         if timed_cuda:
             torch.cuda.synchronize(layer.keys.device)
@@ -466,61 +528,112 @@ class EvictingCache(Cache):
             torch.cuda.synchronize(layer.keys.device)
         self.round_seconds += time.perf_counter() - t0
 
-    def view(self, layer: EvictingLayer) -> CacheView:
-        """The read-only view a policy scores at this layer's next round."""
+    def candidates(self, layer: EvictingLayer) -> int:
+        """Slots of ``layer`` that compete at its next round: all but the newest ``recent``."""
+        return layer.physical_length - self.recent
+
+    def view(self, layer: EvictingLayer, n_candidates: Optional[int] = None, seq_len: Optional[int] = None) -> CacheView:
+        """The read-only view a policy scores at this layer's next round: its candidates only. ``n_candidates``
+        and ``seq_len`` describe a round that another layer of the same forward has reached first."""
+        n = self.candidates(layer) if n_candidates is None else n_candidates
         gen = torch.Generator(device=layer.keys.device)
         gen.manual_seed(round_seed(self.seed, layer.layer_idx, layer.events))
+        positions = layer.positions[:, :, :n]
         return CacheView(
-            keys=layer.keys,
-            values=layer.values,
-            positions=layer.positions,
+            keys=layer.keys[:, :, :n],
+            values=layer.values[:, :, :n],
+            positions=positions,
             layer_idx=layer.layer_idx,
             round_idx=layer.events,
             prompt_len=self.prompt_len or 0,
-            seq_len=layer.seq_len,
+            seq_len=layer.seq_len if seq_len is None else seq_len,
             budget=self.budget,
             buffer=self.buffer,
             generator=gen,
             queries=layer.recent_queries,
             query_positions=layer.recent_query_positions,
             scaling=layer.scaling,
-            attention=layer.attention,
+            attention=None if layer.attention is None else layer.attention[:, :, :n],
+            recent=self.recent,
+            seed=self.seed,
+            protect_prompt=self.protect_prompt,
+            pinned=self._pinned(layer.layer_idx, positions),
         )
 
+    def _pinned(self, layer_idx: int, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        pinned, _ = self._rule_masks(layer_idx, positions)
+        if self.protect_prompt and self.prompt_len:
+            prompt = positions < self.prompt_len
+            pinned = prompt if pinned is None else pinned | prompt
+        return pinned
+
+    def _scores(self, layer: EvictingLayer, view: CacheView) -> torch.Tensor:
+        if getattr(self.policy, "scope", "layer") != "model":
+            return self._checked_scores(view)
+        # A policy scored across layers (TriAttention's per-head keep-set shared by all layers) is scored once
+        # per round, when the first layer reaches it: every layer's candidates are already stored then, since
+        # they exclude the newest `recent` pairs, which this forward is still writing into the later layers.
+        key = (layer.events, layer.seq_len, view.shape[-1])
+        if self._shared is None or self._shared[0] != key:
+            n = view.shape[-1]
+            short = [l.layer_idx for l in self.layers if l.physical_length < n]
+            if short:
+                raise ValueError(
+                    f"policy {self.policy.name!r} scores all layers at once, but layers {short} do not hold the "
+                    f"{n} candidates of this round yet (a round inside a forward of more than recent={self.recent} "
+                    f"tokens, e.g. an unprotected prefill longer than T + r); use its per-layer variant")
+            views = [view if l is layer else self.view(l, n, layer.seq_len) for l in self.layers]
+            try:
+                scores = self.policy.score_layers(views)
+            except Exception as exc:
+                raise RuntimeError(f"policy {self.policy.name!r} failed at round {view.round_idx}: {exc}") from exc
+            self._shared = (key, [self._check_shape(v, s) for v, s in zip(views, scores)])
+        return self._shared[1][layer.layer_idx]
+
     def _select(self, layer: EvictingLayer) -> torch.Tensor:
-        """Sorted slot indices ``[B, H_kv, K]`` each head keeps."""
+        """Sorted slot indices ``[B, H_kv, T]`` each head keeps: the top ``T - recent`` candidates by score,
+        then the newest ``recent`` slots."""
         view = self.view(layer)
         positions = view.positions
-        scores = self._checked_scores(view)
+        scores = self._scores(layer, view)
         inf = torch.tensor(float("inf"), device=scores.device)
-        if self.protect_prompt and view.prompt_len > 0:
-            scores = torch.where(positions < view.prompt_len, inf, scores)
-        pinned, evicted = self._rule_masks(layer.layer_idx, positions)
-        if pinned is not None:
-            scores = torch.where(pinned, inf, scores)
+        keep = view.keep
+        if view.pinned is not None:
+            scores = torch.where(view.pinned, inf, scores)
+        _, evicted = self._rule_masks(layer.layer_idx, positions)
         if evicted is not None:
             scores = torch.where(evicted, -inf, scores)
         n_pinned = int(torch.isposinf(scores).sum(-1).max())
-        if n_pinned > self.budget:
+        if n_pinned > keep:
             raise ValueError(
                 f"layer {layer.layer_idx}: {n_pinned} pairs are pinned (protected prompt + keep-mask pins + the "
-                f"policy's own pins) in one head but the budget keeps only K={self.budget}; raise budget or pin fewer"
+                f"policy's own pins) in one head but a round keeps only T - recent = {keep} of the older pairs "
+                f"(T={self.budget}, recent={self.recent}); raise budget or pin fewer"
             )
-        kept = torch.topk(scores, self.budget, dim=-1, sorted=False).indices
+        kept = torch.topk(scores, keep, dim=-1, sorted=False).indices
         if evicted is not None and bool(torch.isneginf(torch.gather(scores, -1, kept)).any()):
             raise ValueError(
                 f"layer {layer.layer_idx}: force-evicted positions exceed what one round can drop "
-                f"({positions.shape[-1] - self.budget} of {positions.shape[-1]} pairs); force-evict fewer positions "
+                f"({positions.shape[-1] - keep} of {positions.shape[-1]} candidates); force-evict fewer positions "
                 f"per round or use a larger buffer"
             )
-        # topk returns score order; sorting the slot indices keeps every head chronological.
-        return kept.sort(dim=-1).values
+        # topk returns score order; sorting the slot indices keeps every head chronological, and the recent
+        # window (the newest slots) goes after every candidate.
+        kept = kept.sort(dim=-1).values
+        if self.recent:
+            n = positions.shape[-1]
+            tail = torch.arange(n, n + self.recent, device=kept.device).expand(*kept.shape[:2], self.recent)
+            kept = torch.cat([kept, tail], dim=-1)
+        return kept
 
     def _checked_scores(self, view: CacheView) -> torch.Tensor:
         try:
             scores = self.policy.score(view)
         except Exception as exc:
             raise RuntimeError(f"policy {self.policy.name!r} failed at layer {view.layer_idx}, round {view.round_idx}: {exc}") from exc
+        return self._check_shape(view, scores)
+
+    def _check_shape(self, view: CacheView, scores) -> torch.Tensor:
         if not torch.is_tensor(scores):
             raise TypeError(f"policy {self.policy.name!r} returned {type(scores).__name__}; expected a Tensor shaped {view.shape}")
         try:

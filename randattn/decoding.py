@@ -172,8 +172,13 @@ class Replay:
             raise ValueError(f"until must lie between the replayed position {self.pos} and the length {t}, got {until}")
         limit = self.cache.budget + self.cache.buffer
         bar = tqdm(total=until, initial=self.pos, desc="replay", unit="tok", disable=not progress, leave=False)
+        shared = getattr(self.cache.policy, "scope", "layer") == "model"
         while self.pos < until:
             n = limit - self.cache.physical_length(0)  # tokens until the next round fires
+            if shared and n > self.cache.recent:
+                # A keep-set shared by all layers is scored when the first layer reaches the round, from every
+                # layer's candidates: the chunk that fires it must be no longer than the recent window.
+                n -= self.cache.recent
             n = min(n, until - self.pos, self.max_chunk or n)
             _forward(self.model, self.input_ids, self.cache, self._col, self.pos, n, self.score_from)
             self.pos += n

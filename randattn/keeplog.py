@@ -18,9 +18,12 @@ class KeepLog:
 
     ``seq_len`` of a record is the absolute length when the round ran: the round happened right
     after position ``seq_len - 1`` was written, so a query at position ``t >= seq_len`` (before the
-    next round) sees ``kept`` plus positions ``seq_len..t``.
+    next round) sees ``kept`` plus positions ``seq_len..t``. ``recent`` is the cache's recent window:
+    at a round the newest ``recent`` positions were kept outside the competition, so position ``p``
+    competed at a round of length ``seq_len`` only if ``p < seq_len - recent``.
     """
 
+    recent: int = 0
     layers: list = field(default_factory=list)
     rounds: list = field(default_factory=list)
     seq_lens: list = field(default_factory=list)
@@ -45,6 +48,7 @@ class KeepLog:
         kept = np.stack(self.kept) if self.kept else np.zeros((0, 0, 0, 0), np.int32)
         np.savez_compressed(
             path,
+            recent=np.asarray(self.recent, np.int64),
             layer=np.asarray(self.layers, np.int32),
             round=np.asarray(self.rounds, np.int32),
             seq_len=np.asarray(self.seq_lens, np.int64),
@@ -54,7 +58,7 @@ class KeepLog:
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "KeepLog":
         with np.load(path) as z:
-            log = cls()
+            log = cls(recent=int(z["recent"]) if "recent" in z.files else 0)
             log.layers = z["layer"].tolist()
             log.rounds = z["round"].tolist()
             log.seq_lens = z["seq_len"].tolist()

@@ -6,17 +6,20 @@ takes it (``prompt_len``: positions ``0..prompt_len-1`` are the prompt, the rest
 
 Survival (:func:`survival_curve`): every (layer, round record, batch row, KV head) and every
 generated position ``p < seq_len`` of that record is one observation, "is ``p`` in this head's
-keep-set at this round". Observations are binned by the rounds ``p`` has been through (``n``: the
-rounds of its layer up to this one that ran after ``p`` was written) or by its age in tokens
-(``seq_len - p``). Within one ``n`` bin each (layer, row, head, position) appears once, so counts
-behave like independent Bernoulli draws for Random (slightly under-dispersed, since a round keeps
-exactly K).
+keep-set at this round". Observations are binned by the rounds ``p`` has competed in (``n``: the
+rounds of its layer up to this one at which ``p`` was a candidate, i.e. older than the newest
+``recent`` pairs: ``p < seq_len_i - recent``, with ``recent`` recorded in the keep-log) or by its
+age in tokens (``seq_len - p``). Within one ``n`` bin each (layer, row, head, position) appears
+once, so counts behave like independent Bernoulli draws for Random (slightly under-dispersed, since
+a round keeps exactly T).
 
-Analytic curves for Random (:func:`random_survival`, :func:`union_survival`): a round sees
-``K + r`` pairs per head and keeps ``K`` uniformly at random, so a pair survives it with
-``K / (K + r)``; with the prompt of ``lp`` pairs pinned, the ``K - lp`` free slots are drawn from
-``K + r - lp`` candidates. Heads draw independently, so the union over ``H`` heads survives with
-``1 - (1 - s)^H``.
+Analytic curves for Random (:func:`random_survival`, :func:`union_survival`): a round holds
+``T + r`` pairs per head, keeps the newest ``recent`` untouched and ``T - recent`` of the other
+``T + r - recent`` uniformly at random, so a candidate survives it with
+``(T - recent) / (T + r - recent)``; with the prompt of ``lp`` pairs pinned, ``T - recent - lp``
+free places are drawn from ``T + r - recent - lp`` candidates. With the paper's ``recent = r`` that is
+``(T - r - lp) / (T - lp)`` (0.9375 at T=1024, r=64). Heads draw independently, so the union over
+``H`` heads survives with ``1 - (1 - s)^H``.
 """
 
 from __future__ import annotations
@@ -45,19 +48,26 @@ __all__ = [
 
 
 # -- analytic curves -----------------------------------------------------------------------------
-def random_round_survival(budget: int, buffer: int, prompt_len: int = 0, protected: bool = False) -> float:
-    """Probability that a generated pair survives one Random round: ``K/(K+r)``, or
-    ``(K-lp)/(K+r-lp)`` when the ``lp`` prompt pairs are pinned."""
+def random_round_survival(budget: int, buffer: int, prompt_len: int = 0, protected: bool = False,
+                          recent: "int | None" = None) -> float:
+    """Probability that a candidate survives one Random round: ``(T - recent - lp) / (T + r - recent - lp)``
+    with ``lp`` the pinned prompt (0 unprotected) and ``recent`` the recent window (default ``r``, as the
+    cache: ``(T - r - lp) / (T - lp)``)."""
+    recent = buffer if recent is None else recent
     pinned = prompt_len if protected else 0
-    if not 0 <= pinned < budget:
-        raise ValueError(f"a protected prompt of {prompt_len} tokens leaves no free slot in K={budget}")
-    return (budget - pinned) / (budget + buffer - pinned)
+    if not 0 <= recent < budget:
+        raise ValueError(f"recent={recent} must be in [0, T={budget})")
+    if not 0 <= pinned < budget - recent:
+        raise ValueError(f"a protected prompt of {prompt_len} tokens leaves no free slot in T - recent = "
+                         f"{budget - recent} (T={budget}, recent={recent})")
+    return (budget - recent - pinned) / (budget + buffer - recent - pinned)
 
 
-def random_survival(n, budget: int, buffer: int, prompt_len: int = 0, protected: bool = False) -> np.ndarray:
-    """Per-head survival of a generated pair after ``n`` Random rounds: ``q**n`` with
-    ``q = random_round_survival(K, r, lp, protected)`` (``n`` may be an array)."""
-    return random_round_survival(budget, buffer, prompt_len, protected) ** np.asarray(n, dtype=float)
+def random_survival(n, budget: int, buffer: int, prompt_len: int = 0, protected: bool = False,
+                    recent: "int | None" = None) -> np.ndarray:
+    """Per-head survival of a generated pair after competing in ``n`` Random rounds: ``q**n`` with
+    ``q = random_round_survival(T, r, lp, protected, recent)`` (``n`` may be an array)."""
+    return random_round_survival(budget, buffer, prompt_len, protected, recent) ** np.asarray(n, dtype=float)
 
 
 def union_survival(s, n_heads: int) -> np.ndarray:
@@ -195,9 +205,11 @@ def _kept_mask(kept: np.ndarray, seq_len: int) -> np.ndarray:
 
 
 def survival_curve(log: KeepLog, prompt_len: int, *, by: str = "rounds", width: int = 1,
-                   skip_initial: bool = False) -> SurvivalCurve:
-    """Survival of generated positions binned by rounds survived (``by="rounds"``) or by age in
+                   skip_initial: bool = False, recent: "int | None" = None) -> SurvivalCurve:
+    """Survival of generated positions binned by rounds competed in (``by="rounds"``) or by age in
     tokens (``by="age"``, bins of ``width`` tokens). See :class:`SurvivalCurve` for the fields.
+    ``recent`` (default: the keep-log's) is the window of newest pairs that did not compete; a position
+    that has competed in no round yet counts only in age bins.
 
     ``skip_initial=True`` leaves out the initial fill, positions written before their layer's first
     round: at a given age they have been through fewer rounds than later positions (rounds only
@@ -211,6 +223,7 @@ def survival_curve(log: KeepLog, prompt_len: int, *, by: str = "rounds", width: 
     if width < 1:
         raise ValueError(f"width must be a positive number of tokens, got {width}")
     layers = _layers(log)
+    recent = int(getattr(log, "recent", 0) if recent is None else recent)
     n_heads = layers[0][0][2].shape[1]
     max_len = max(s for recs in layers for _, s, _ in recs)
     max_rounds = max(len(recs) for recs in layers)
@@ -232,8 +245,13 @@ def survival_curve(log: KeepLog, prompt_len: int, *, by: str = "rounds", width: 
             if pos.size == 0:
                 continue
             mask = _kept_mask(kept, seq_len)[:, :, first:]  # [B, H, P]
-            # rounds so far (this one included) that ran after p was written: seq_len_i > p
-            n = (j + 1) - np.searchsorted(seq_lens[: j + 1], pos, side="right")
+            # rounds so far (this one included) at which p was a candidate: seq_len_i - recent > p
+            n = (j + 1) - np.searchsorted(seq_lens[: j + 1] - recent, pos, side="right")
+            if by == "rounds":
+                competed = n > 0
+                pos, n, mask = pos[competed], n[competed], mask[:, :, competed]
+                if pos.size == 0:
+                    continue
             bins = n - 1 if by == "rounds" else (seq_len - pos - 1) // width
             counts = np.bincount(bins, minlength=n_bins)
             total += counts * batch
@@ -256,23 +274,30 @@ def _last_records(log: KeepLog) -> list[tuple[int, np.ndarray]]:
     return [(recs[-1][1], recs[-1][2]) for recs in _layers(log)]
 
 
-def slot_coverage(log: KeepLog, prompt_len: int = 0) -> float:
-    """Share of candidate positions that at least one head of a layer kept at least once.
+def _selected(kept: np.ndarray, seq_len: int, recent: int) -> np.ndarray:
+    """Bool ``[B, H, seq_len - recent]``: the candidates each head *selected* at a round (the recent window,
+    kept without competing, left out, as the paper's keep-set logger logs only ``ids_to_keep``)."""
+    return _kept_mask(kept, seq_len)[:, :, : max(seq_len - recent, 0)]
 
-    For each layer and batch row: candidates are all positions ``prompt_len .. L-1`` seen by the
-    layer's last round (``L`` = that round's ``seq_len``; ``prompt_len=0`` counts the prompt too);
-    a candidate is covered when it appears in the keep-set of some head at some round. A position
-    is uncovered only when every head dropped it at the first round that saw it, so this measures
-    what a policy discards everywhere at once. Mean over layers and rows.
+
+def slot_coverage(log: KeepLog, prompt_len: int = 0) -> float:
+    """Share of candidate positions that at least one head of a layer selected at least once.
+
+    For each layer and batch row: candidates are all positions ``prompt_len .. L - recent - 1`` that
+    competed by the layer's last round (``L`` = that round's ``seq_len``; ``prompt_len=0`` counts the
+    prompt too); a candidate is covered when some head kept it at some round it competed in. A
+    position is uncovered only when every head dropped it at the first round it competed in, so this
+    measures what a policy discards everywhere at once. Mean over layers and rows.
     """
     values = []
     for recs in _layers(log):
-        last = recs[-1][1]
+        last = recs[-1][1] - log.recent
         if last <= prompt_len:
             continue
         ever = np.zeros((recs[0][2].shape[0], last), dtype=bool)
         for _, seq_len, kept in recs:
-            ever[:, :seq_len] |= _kept_mask(kept, seq_len).any(axis=1)
+            sel = _selected(kept, seq_len, log.recent).any(axis=1)
+            ever[:, : sel.shape[-1]] |= sel
         values.extend(ever[:, prompt_len:].mean(axis=1))
     return float(np.mean(values)) if values else float("nan")
 
@@ -294,12 +319,13 @@ def prompt_survival(log: KeepLog, prompt_len: int) -> dict[str, float]:
 
 
 def head_jaccard(log: KeepLog, prompt_len: int = 0) -> float:
-    """Mean pairwise Jaccard overlap ``|A∩B| / |A∪B|`` of the KV heads' keep-sets of generated
-    positions (``>= prompt_len``, so a pinned prompt does not inflate it), at the last round of
-    each layer; averaged over head pairs, layers and rows. 1: every head keeps the same pairs."""
+    """Mean pairwise Jaccard overlap ``|A∩B| / |A∪B|`` of the KV heads' selected generated positions
+    (``>= prompt_len``, and outside the recent window, so neither a pinned prompt nor the window every
+    head holds inflates it), at the last round of each layer; averaged over head pairs, layers and
+    rows. 1: every head keeps the same pairs."""
     values = []
     for seq_len, kept in _last_records(log):
-        mask = _kept_mask(kept, seq_len)[:, :, prompt_len:]
+        mask = _selected(kept, seq_len, log.recent)[:, :, prompt_len:]  # the recent window is in every head
         for b in range(mask.shape[0]):
             for h, g in combinations(range(mask.shape[1]), 2):
                 union = np.sum(mask[b, h] | mask[b, g])
@@ -311,9 +337,10 @@ def head_jaccard(log: KeepLog, prompt_len: int = 0) -> float:
 def coverage_entropy(log: KeepLog, prompt_len: int = 0, n_bins: int = 10) -> float:
     """How evenly kept slots spread over the generated history, in ``[0, 1]``.
 
-    At the last round of each layer, the kept generated positions of all heads (one count per
-    head and position) are binned into ``n_bins`` equal-width age bins spanning
-    ``prompt_len .. seq_len-1``; with ``p_b`` the share of kept slots in bin ``b`` the value is
+    At the last round of each layer, the selected generated positions of all heads (one count per
+    head and position; the recent window left out, as in the paper's logger) are binned into
+    ``n_bins`` equal-width age bins spanning ``prompt_len .. seq_len-1``; with ``p_b`` the share of
+    kept slots in bin ``b`` the value is
     ``-sum p_b log p_b / log(n_bins)``: 0 when everything kept lies in one bin (a recency window
     shorter than a bin), 1 when kept slots are spread evenly. Mean over layers and rows.
     """
@@ -326,7 +353,7 @@ def coverage_entropy(log: KeepLog, prompt_len: int = 0, n_bins: int = 10) -> flo
         edges = np.linspace(prompt_len, seq_len, n_bins + 1)
         for b in range(kept.shape[0]):
             pos = kept[b].ravel()
-            counts, _ = np.histogram(pos[pos >= prompt_len], bins=edges)
+            counts, _ = np.histogram(pos[(pos >= prompt_len) & (pos < seq_len - log.recent)], bins=edges)
             if counts.sum() == 0:
                 continue
             p = counts[counts > 0] / counts.sum()
@@ -350,7 +377,7 @@ def keep_metrics(log: KeepLog, prompt_len: int, *, n_bins: int = 10) -> dict[str
 def select_rows(log: KeepLog, rows: "int | Sequence[int] | Iterable[int]") -> KeepLog:
     """The same log restricted to some batch rows (e.g. one sequence of a batched run)."""
     idx = [rows] if isinstance(rows, (int, np.integer)) else list(rows)
-    out = KeepLog()
+    out = KeepLog(recent=log.recent)
     out.layers, out.rounds, out.seq_lens = list(log.layers), list(log.rounds), list(log.seq_lens)
     out.kept = [k[idx] for k in log.kept]
     return out

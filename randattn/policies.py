@@ -36,6 +36,9 @@ __all__ = [
     "known_policies",
     "load_policy",
     "score_function",
+    "PAPER_MODES",
+    "paper_mode_twin",
+    "make_policy_and_mode",
     "RandomPolicy",
     "RandomSharedPolicy",
     "RecencyPolicy",
@@ -47,12 +50,23 @@ __all__ = [
 class CacheView:
     """Read-only view of one layer's cache at an eviction round.
 
+    The view holds the round's *candidates* only: every stored pair except the newest ``recent``
+    ones, which the core keeps untouched (the paper's engine scores ``k_cache[:, :cur_len - residual]``).
+    The policy scores the candidates and the core keeps the top ``keep = budget - recent`` of them
+    per head, so right after the round each head holds ``budget`` pairs, the newest ``recent`` among them.
+
     keys, values: ``[B, H_kv, S, D]``; keys are post-RoPE, as the attention saw them.
     positions: ``[B, H_kv, S]`` absolute token position of every slot, increasing along S.
     prompt_len: number of prompt positions (``0..prompt_len-1``); the core pins them when the
-        cache protects the prompt, so a policy never has to.
+        cache protects the prompt (``protect_prompt``), so a policy never has to.
     seq_len: absolute length of the sequence so far (one past the newest position).
-    generator: seeded for this (seed, layer, round); draw on ``keys.device`` in float32.
+    budget: ``T``, pairs per head right after a round (recent window included); ``buffer``: ``r``;
+        ``recent``: the newest pairs kept outside the competition; ``keep``: candidates kept.
+    generator: seeded for this (seed, layer, round); draw on ``keys.device`` in float32. ``seed`` is
+        the cache's seed, for a draw a policy must repeat at every round (e.g. a per-head role).
+    pinned: ``[B, H_kv, S]`` bool, the candidates the core will keep whatever the score (protected
+        prompt and keep-mask pins), or ``None``; a policy that fills "the remaining places" (VaSE's
+        top set and sample) reads it.
     queries: the last ``w`` post-RoPE queries ``[B, H_q, w, D]`` (``query_positions[w]``), when
         the policy lists ``"queries"`` in ``needs``; ``scaling`` is the attention's softmax scale.
     attention: accumulated attention received per slot and query head ``[B, H_q, S]``, when the
@@ -73,6 +87,15 @@ class CacheView:
     query_positions: Optional[torch.Tensor] = None
     scaling: Optional[float] = None
     attention: Optional[torch.Tensor] = None
+    recent: int = 0
+    seed: int = 0
+    protect_prompt: bool = False
+    pinned: Optional[torch.Tensor] = None
+
+    @property
+    def keep(self) -> int:
+        """Candidates each head keeps this round: ``budget - recent``."""
+        return self.budget - self.recent
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -91,10 +114,21 @@ class Policy:
     #: what the cache must capture for this policy: "queries" (last ``window`` post-RoPE queries)
     #: and/or "attention" (attention received, accumulated over decoding).
     needs: frozenset = frozenset()
-    window: int = 0
+    #: recent queries to capture; ``None``: the queries since the last round (the buffer ``r``).
+    window: Optional[int] = 0
+    #: "layer": :meth:`score` sees one layer; "model": :meth:`score_layers` scores every layer's candidates
+    #: at once (a keep-set shared by all layers), called once per round.
+    scope: str = "layer"
+    #: the prompt protection the policy is defined with (None: either). A policy that protects part of the
+    #: prompt itself (``random-pcap``) says False, so the core does not pin the whole prompt over it.
+    native_protection: Optional[bool] = None
 
     def score(self, view: CacheView) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def score_layers(self, views: "list[CacheView]") -> "list[torch.Tensor]":
+        """Scores of every layer's candidates at one round (for ``scope = "model"``)."""
+        return [self.score(v) for v in views]
 
     def __repr__(self) -> str:
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
@@ -201,6 +235,48 @@ def load_policy(spec: str, **kwargs) -> Policy:
     return policy
 
 
+#: The paper's engine modes (``--eviction_mode`` in ``kvcompress/engine/cache_utils.py``) by name:
+#: ``(policy, options, prompt protected)``. Options are the paper grid's (``scripts/run_cell.sh``).
+PAPER_MODES: dict[str, tuple[str, dict, bool]] = {
+    "random_pp": ("random", {}, True),
+    "recency_pp": ("recency", {}, True),
+    "random_unified": ("random-shared", {}, True),
+    "random_block_pp": ("random-block", {}, True),
+    "random_pcap": ("random-pcap", {}, False),
+    "random_pmix": ("random-pmix", {}, False),
+    "random_ppp": ("random-ppp", {}, True),
+    "attn": ("snapkv", {}, False),
+    "attn_pp": ("snapkv", {}, True),
+    "attn_rkv": ("rkv", {}, False),
+    "attn_rkv_pp": ("rkv", {}, True),
+    "rkv_official": ("rkv-official", {}, False),
+    "range_sink_sample_attn": ("vase", {}, False),
+    "range_sink_sample_attn_pp": ("vase", {}, True),
+    "triattn_ph": ("triattention", {}, True),
+    "triattn_pl": ("triattention", {"shared_layers": False}, True),
+}
+
+
+def paper_mode_twin(name: str) -> Optional[str]:
+    """The paper mode with the other prompt protection (``"attn"`` <-> ``"attn_pp"``), if it has one."""
+    if name not in PAPER_MODES:
+        return None
+    twin = name[:-3] if name.endswith("_pp") else name + "_pp"
+    return twin if twin in PAPER_MODES else None
+
+
+def make_policy_and_mode(spec, **kwargs) -> "tuple[Policy, Optional[bool]]":
+    """:func:`make_policy`, and the prompt protection the spec names (a paper mode, or a policy defined with
+    one), else ``None``."""
+    if isinstance(spec, str) and spec in PAPER_MODES and spec not in _REGISTRY:
+        name, options, protect = PAPER_MODES[spec]
+        policy = make_policy(name, **{**options, **kwargs})
+        policy.name = spec
+        return policy, protect
+    policy = make_policy(spec, **kwargs)
+    return policy, getattr(policy, "native_protection", None)
+
+
 def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kwargs) -> Policy:
     """Turn a policy name, ``"module:callable"`` spec (see :func:`load_policy`), instance or score function into a
     :class:`Policy`.
@@ -216,8 +292,11 @@ def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kw
     if isinstance(spec, str):
         if spec not in _REGISTRY and ":" in spec:
             return load_policy(spec, **kwargs)
+        if spec in PAPER_MODES:
+            return make_policy_and_mode(spec, **kwargs)[0]
         if spec not in _REGISTRY:
-            raise ValueError(f"unknown policy {spec!r}; known policies: {', '.join(known_policies())}")
+            raise ValueError(f"unknown policy {spec!r}; known policies: {', '.join(known_policies())}; the paper's "
+                             f"mode names: {', '.join(sorted(PAPER_MODES))}")
         cls = _REGISTRY[spec]
         accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
         bad = sorted(set(kwargs) - set(accepted))
@@ -238,20 +317,27 @@ def make_policy(spec: "str | Policy | Callable[[CacheView], torch.Tensor]", **kw
 
 @register_policy("random")
 class RandomPolicy(Policy):
-    """Random Attention (the paper's Algorithm 1): ``s_i ~ Uniform(0, 1)`` i.i.d. per head.
+    """Random Attention (the paper's Algorithm 1; its engine's ``random_pp`` mode): ``s_i ~ Uniform(0, 1)``
+    i.i.d. per head over the candidates.
 
     With prompt protection on (the cache's default) the prompt is pinned at ``+inf`` by the core,
-    so this is exactly ``s = rand(B, H_kv, S); s[:, :, :l_p] = inf; keep = topk(s, K)``. A pair
-    then survives one round with probability ``K / (K + r)``.
+    so this is exactly ``s = rand(B, H_kv, S); s[:, :, :l_p] = inf; keep = topk(s, T - r)`` over the pairs
+    older than the recent window. A non-prompt candidate then survives one round with probability
+    ``(T - r - l_p) / (T - l_p)``.
     """
 
     def score(self, view: CacheView) -> torch.Tensor:
         return torch.rand(view.shape, generator=view.generator, device=view.keys.device, dtype=torch.float32)
 
 
+def _rand(view: CacheView) -> torch.Tensor:
+    return torch.rand(view.shape, generator=view.generator, device=view.keys.device, dtype=torch.float32)
+
+
 @register_policy("random-shared")
 class RandomSharedPolicy(Policy):
-    """One uniform draw per absolute position, shared by every KV head of a layer.
+    """One uniform draw per absolute position, shared by every KV head of a layer (the paper's
+    ``random_unified``: same signal and protection as Random, one keep-set for all heads).
 
     The draw is keyed by position rather than slot, so heads that already differ (e.g. after a
     keep-mask pin) still rank a given token identically. Batch rows draw independently.
@@ -265,8 +351,8 @@ class RandomSharedPolicy(Policy):
 
 @register_policy("recency")
 class RecencyPolicy(Policy):
-    """Most recent pairs first. With prompt protection this is Prefix Sliding (prompt + recent window);
-    without it, a plain sliding window."""
+    """Most recent pairs first. With prompt protection this is Prefix Sliding (the paper's ``recency_pp``:
+    prompt + recent window); without it, a plain sliding window."""
 
     def score(self, view: CacheView) -> torch.Tensor:
         return view.positions.to(torch.float32)
@@ -288,24 +374,114 @@ class StreamingLLMPolicy(Policy):
 
 @register_policy("random-block")
 class RandomBlockPolicy(Policy):
-    """Random eviction in contiguous blocks: absolute positions ``[j*block, (j+1)*block)`` form block
-    ``j``; every head ranks blocks by its own uniform draw each round, so a block is kept or
-    dropped as a unit. When a round must cut into a block (``block > r``), the block's oldest slots
-    go first, so what survives stays contiguous. ``block=1`` is Random Attention.
+    """Random eviction in contiguous blocks of ``block`` tokens; every head ranks blocks by its own uniform
+    draw each round, so a block is kept or dropped as a unit. ``block=1`` is Random Attention.
 
-    K / block is the number of blocks a head can hold: the quantity the paper's block experiment
+    ``align="slot"`` (default, the paper's ``random_block_pp`` with its ``BLOCK_SIZE`` 32): the candidates'
+    *slots* are cut into blocks ``[j*block, (j+1)*block)`` afresh at every round, so after compaction a
+    block may join survivors of two earlier blocks. ``align="position"`` (a toolkit variant): blocks are
+    fixed ranges of absolute positions, so what survives stays contiguous in the text. When a round must
+    cut into a block, its oldest slots go first (the paper's engine leaves that tie to ``topk``).
+
+    T / block is about the number of blocks a head can hold: the quantity the paper's block experiment
     varies (1..64 cost almost nothing; 256 leaves too few blocks per head).
     """
 
-    def __init__(self, block: int = 16):
+    def __init__(self, block: int = 32, align: str = "slot"):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"random-block block must be a positive int (tokens per block), got {block!r}")
-        self.block = block
+        if align not in ("slot", "position"):
+            raise ValueError(f"random-block align must be 'slot' (the paper's) or 'position', got {align!r}")
+        self.block, self.align = block, align
 
     def score(self, view: CacheView) -> torch.Tensor:
-        b, h, _ = view.shape
-        block_of = view.positions // self.block
-        draw = torch.rand((b, h, view.seq_len // self.block + 1), generator=view.generator, device=view.keys.device)
+        b, h, s = view.shape
+        index = (torch.arange(s, device=view.keys.device).expand(b, h, s) if self.align == "slot"
+                 else view.positions)
+        span = s if self.align == "slot" else view.seq_len
+        block_of = index // self.block
+        draw = torch.rand((b, h, span // self.block + 1), generator=view.generator, device=view.keys.device)
         rank = draw.argsort(dim=-1).argsort(dim=-1).to(torch.float32)  # integers: no ties between blocks
-        within = (view.positions % self.block).to(torch.float32) / self.block  # in [0, 1): older first out
+        within = (index % self.block).to(torch.float32) / self.block  # in [0, 1): older first out
         return torch.gather(rank, 2, block_of) + within
+
+
+def _clamped_prompt(view: CacheView) -> int:
+    """The paper's ``pl = min(prompt_len, K - 1)`` with ``K = T - r`` the candidates kept."""
+    return min(view.prompt_len, view.keep - 1)
+
+
+@register_policy("random-pcap")
+class RandomPromptCapPolicy(Policy):
+    """Random with capped prompt protection (the paper's ``random_pcap``): the first ``cap`` prompt tokens
+    and every second token of the rest of the prompt are pinned, everything else is Random. For long
+    prompts, where protecting all of it leaves too little budget for the trace (``PROMPT_CAP`` 512).
+    The policy pins the prompt itself, so the cache runs it with ``protect_prompt=False``."""
+
+    native_protection = False
+
+    def __init__(self, cap: int = 512):
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"random-pcap cap must be a non-negative int (prompt tokens kept whole), got {cap!r}")
+        self.cap = cap
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        pl = _clamped_prompt(view)
+        cap = min(self.cap, pl)
+        p = view.positions
+        designated = (p < cap) | ((p >= cap) & (p < pl) & ((p - cap) % 2 == 0))
+        return _rand(view).masked_fill(designated, float("inf"))
+
+
+@register_policy("random-pmix")
+class RandomPromptMixPolicy(Policy):
+    """Random with per-head probabilistic prompt protection (the paper's ``random_pmix``). Each KV head of a
+    layer is, once and for the whole sequence, an *archivist* (probability ``p``, 0.25; keeps the whole
+    prompt) or a *scatterer* (keeps only the first ``small`` prompt tokens, 256); at least one archivist
+    per layer. The roles are drawn from the cache's seed and the layer, so they repeat at every round. The
+    policy pins the prompt itself, so the cache runs it with ``protect_prompt=False``."""
+
+    native_protection = False
+
+    def __init__(self, p: float = 0.25, small: int = 256):
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"random-pmix p must be a probability in [0, 1], got {p!r}")
+        if isinstance(small, bool) or not isinstance(small, int) or small < 0:
+            raise ValueError(f"random-pmix small must be a non-negative int, got {small!r}")
+        self.p, self.small = float(p), small
+
+    def archivists(self, view: CacheView) -> torch.Tensor:
+        """Bool ``[H_kv]``: which heads of this layer keep the whole prompt."""
+        from .cache import round_seed
+
+        gen = torch.Generator(device="cpu").manual_seed(round_seed(view.seed, view.layer_idx, 0x70_6D_69_78))
+        h = view.shape[1]
+        roles = torch.rand(h, generator=gen) < self.p
+        if not bool(roles.any()):
+            roles[int(torch.randint(h, (1,), generator=gen))] = True
+        return roles.to(view.keys.device)
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        pl = _clamped_prompt(view)
+        small = min(self.small, pl)
+        limit = torch.where(self.archivists(view), pl, small)  # [H_kv]
+        return _rand(view).masked_fill(view.positions < limit[None, :, None], float("inf"))
+
+
+@register_policy("random-ppp")
+class RandomPlanPrefixPolicy(Policy):
+    """Random with the prompt and a plan prefix protected (the paper's ``random_ppp``): the first
+    ``plan_prefix`` generated tokens (768) are pinned too, always leaving ``min_scatter`` (64) of the
+    ``T - r`` selected places to the random scatter. The prompt itself is the core's protection."""
+
+    native_protection = True
+
+    def __init__(self, plan_prefix: int = 768, min_scatter: int = 64):
+        for name, val in (("plan_prefix", plan_prefix), ("min_scatter", min_scatter)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"random-ppp {name} must be a non-negative int, got {val!r}")
+        self.plan_prefix, self.min_scatter = plan_prefix, min_scatter
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        end = min(_clamped_prompt(view) + self.plan_prefix, view.keep - self.min_scatter)
+        return _rand(view).masked_fill(view.positions < end, float("inf"))

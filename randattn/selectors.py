@@ -1,20 +1,39 @@
-"""The learned/heuristic selectors Random Attention is measured against, on the same core.
+"""The selectors Random Attention is measured against, as the paper ran them, on the same core.
 
-Each is a :class:`~randattn.policies.Policy` whose score the cache ranks per KV head after its
-own prompt protection and keep-masks, so every selector runs with protection on or off. Pins a
-selector makes itself (observation windows, sinks, VaSE's top set) are ``+inf`` scores.
+Each is a :class:`~randattn.policies.Policy` whose score the cache ranks per KV head over the
+round's candidates (every stored pair but the newest ``recent``), after its own prompt protection
+and keep-masks, so every selector runs with protection on or off. Pins a selector makes itself
+(sinks, VaSE's top set) are ``+inf`` scores.
 
-GQA: a KV head serves a group of query heads; ``aggregate`` says how the group's attention
-probabilities are combined into the KV head's (``"mean"`` or ``"max"``), with a default per policy.
+By default every selector is the mode of the paper's engine (``kvcompress/engine/cache_utils.py``
+in ``SalesforceAIResearch/Random-Attention``) with the settings of its grid
+(``scripts/run_cell.sh``); where the original authors' settings differ they are a named variant:
 
-Recent queries are the last ``window`` post-RoPE queries captured by :mod:`randattn.capture`
-(attention is never patched). Attention from those queries is computed over the slots the cache
-holds now, masked causally by absolute position.
+====================  ==========================  ===============================================
+name                  paper mode / source         score of a candidate
+====================  ==========================  ===============================================
+``snapkv``            ``attn`` (``--smooth``)     attention of the queries since the last round
+                                                  (softmax over candidates, mean over queries),
+                                                  average-pooled k=5, mean over the query group
+``snapkv-longbench``  SnapKV (FasterDecoding)     last 32 queries, max-pooled k=7, the
+                                                  observation window kept
+``rkv``               ``attn_rkv``, lambda 0.5    ``lam * snapkv - (1 - lam) * softmax(mean cos)``
+``rkv-official``      ``rkv_official``, lam 0.1   R-KV authors': last 8 queries, max over the group
+                                                  of logits, max-pool k=7, thresholded redundancy
+``vase``              ``range_sink_sample_attn``  top ``T/4`` by value range (4 sinks forced in),
+                                                  the rest sampled by the snapkv score
+``h2o``               (not in the paper's grid)   accumulated attention received + recent half
+====================  ==========================  ===============================================
+
+Attention is ``q . k / sqrt(head_dim)`` as in the paper's engine (its ``temperature`` is 1), in
+float32; a recent query is masked from candidates newer than itself (only possible when its window
+reaches past the recent window).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +41,15 @@ import torch.nn.functional as F
 from .policies import CacheView, Policy, register_policy
 
 __all__ = [
+    "attention_logits",
     "window_attention",
     "pool_scores",
+    "cosine_redundancy",
+    "official_redundancy",
     "H2OPolicy",
     "SnapKVPolicy",
     "RKVPolicy",
+    "RKVOfficialPolicy",
     "VaSEPolicy",
 ]
 
@@ -45,6 +68,11 @@ def _check_positive(name: str, **values) -> None:
             raise ValueError(f"{name}: {key} must be a positive integer, got {val!r}")
 
 
+def _check_window(name: str, window) -> None:
+    if window is not None:
+        _check_positive(name, window=window)
+
+
 def _group(t: torch.Tensor, kv_heads: int, aggregate: str) -> torch.Tensor:
     """Combine query heads ``[B, H_q, ...]`` into their KV heads ``[B, H_kv, ...]``."""
     b, hq = t.shape[:2]
@@ -60,28 +88,40 @@ def _need_queries(view: CacheView, policy: str) -> None:
         )
 
 
-def window_attention(view: CacheView, aggregate: str = "mean") -> torch.Tensor:
-    """Attention probabilities of the recent queries over the cached slots, per KV head:
-    ``[B, H_kv, w, S]``. Query ``t`` sees slot ``j`` only if ``position_j <= t``; the group's
-    probabilities are combined with ``aggregate``."""
+def attention_logits(view: CacheView, window: Optional[int] = None) -> torch.Tensor:
+    """Logits ``q . k / sqrt(D)`` of the last ``window`` captured queries (default all) over the candidates,
+    ``[B, H_q, w, S]`` in float32, ``-inf`` where a query is older than the candidate."""
     q = view.queries.to(torch.float32)
+    qpos = view.query_positions
+    if window is not None:
+        q, qpos = q[:, :, -window:], qpos[-window:]
     k = view.keys.to(torch.float32)
-    b, hq, w, d = q.shape
-    h = k.shape[1]
+    hq, h = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // h, dim=1)
-    logits = (q @ k.transpose(-1, -2)) * (view.scaling if view.scaling is not None else d**-0.5)
+    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     slot_pos = view.positions.repeat_interleave(hq // h, dim=1)
-    visible = slot_pos[:, :, None, :] <= view.query_positions.to(slot_pos.device)[None, None, :, None]
-    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    # A recent query whose own key and every older one were evicted sees nothing: it votes for nothing.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    return _group(probs, h, aggregate)
+    visible = slot_pos[:, :, None, :] <= qpos.to(slot_pos.device)[None, None, :, None]
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    # A query that sees no candidate at all votes for nothing.
+    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+
+
+def window_attention(view: CacheView, aggregate: str = "mean", window: Optional[int] = None) -> torch.Tensor:
+    """Attention probabilities of the recent queries over the candidates, per KV head: ``[B, H_kv, w, S]``
+    (softmax over the candidates only, as the paper's engine; the group's probabilities combined with
+    ``aggregate``)."""
+    return _group(_softmax(attention_logits(view, window)), view.keys.shape[1], aggregate)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
-    """Pool ``[B, H, S]`` over neighbouring slots (stride 1, same length). Slot ``i`` pools slots
-    ``i - kernel//2 .. i - kernel//2 + kernel - 1`` (symmetric for odd kernels; an even kernel
-    leans one slot towards the older side)."""
+    """Pool ``[B, H, S]`` over neighbouring slots (stride 1, same length, padding ``kernel // 2``).
+
+    ``"avg"`` counts the zero padding, as ``F.avg_pool1d``'s default (the paper's engine, after
+    kvpress's SnapKVPress): the first and last ``kernel // 2`` slots are divided by ``kernel`` too.
+    An even kernel leans one slot towards the older side."""
     if kernel <= 1:
         return scores
     b, h, s = scores.shape
@@ -89,7 +129,7 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     if pooling == "max":
         x = F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
     else:
-        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+        x = F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)
     return x[..., :s].reshape(b, h, s)
 
 
@@ -100,14 +140,40 @@ def _pin_recent(scores: torch.Tensor, view: CacheView, count: int) -> torch.Tens
     return scores.masked_fill(recent, float("inf"))
 
 
+def _cosine(keys: torch.Tensor) -> torch.Tensor:
+    k = keys.to(torch.float32)
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)  # [B, H, S, S]
+    return sim.masked_fill(torch.eye(sim.shape[-1], dtype=torch.bool, device=sim.device), 0.0)
+
+
+def cosine_redundancy(keys: torch.Tensor) -> torch.Tensor:
+    """The paper's ``attn_rkv`` redundancy per candidate ``[B, H, S]``: softmax over candidates of the mean
+    cosine similarity to the other candidates (self-similarity zeroed)."""
+    return _cosine(keys).mean(dim=-2).softmax(dim=-1)
+
+
+def official_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """The R-KV authors' redundancy (``rkv_official``): cosine matrix with the diagonal zeroed; in every row
+    the newest candidate more similar than ``threshold`` is spared (its entry zeroed; the oldest slot's
+    when none is); column means; softmax over candidates."""
+    sim = _cosine(keys)
+    s = sim.shape[-1]
+    idx = torch.arange(s, device=sim.device)
+    newest_similar = torch.where(sim > threshold, idx, torch.zeros_like(idx)).amax(dim=-1)  # [B, H, S]
+    sim = sim.scatter(-1, newest_similar[..., None], 0.0)
+    return sim.mean(dim=-2).softmax(dim=-1)
+
+
 @register_policy("h2o")
 class H2OPolicy(Policy):
     """H2O (heavy-hitter oracle): keep the pairs that received the most attention, plus a recent window.
 
     score_i = agg_{h in group} A_{h,i}, where A_{h,i} = sum over every query t processed since
     pair i entered the cache of softmax_t(q_t . k / sqrt(d))_i (accumulated by the cache at each
-    forward). The most recent ``round(recent_fraction * K)`` positions are pinned, as in H2O's
-    heavy-hitter + recent split (default half and half). ``aggregate`` default ``"mean"``.
+    forward). The most recent ``round(recent_fraction * T)`` positions are pinned, as in H2O's
+    heavy-hitter + recent split (default half and half). ``aggregate`` default ``"mean"``. Not run
+    in the paper's grid; kept for comparison.
     """
 
     needs = frozenset({"attention"})
@@ -128,97 +194,122 @@ class H2OPolicy(Policy):
 
 @register_policy("snapkv")
 class SnapKVPolicy(Policy):
-    """SnapKV: keep what the most recent queries attend to, smoothed over neighbouring positions.
+    """SnapKV as the paper ran it (its engine's ``attn`` mode with ``--smooth``).
 
-    score_i = pool_k( sum_{t in last w queries} agg_{h in group} softmax_t(q_{t,h} . k / sqrt(d))_i ),
-    pooled over ``kernel`` neighbouring slots (``pooling`` "max" or "avg"; slots are chronological,
-    so neighbours are neighbouring positions). The observation window (the last ``window``
-    positions) is always kept, as in SnapKV. Defaults: window 32, kernel 7, max pooling, mean over
-    the query group.
+    score_i = mean_{g in group} pool_k( mean_{t in window} softmax_t(q_{t,g} . k / sqrt(D))_i ), with the
+    softmax over the candidates only and the window the queries since the last round (``window=None``:
+    the ``r`` buffered queries). Defaults: average pooling k=5 with the padding counted, mean over the
+    query group, no observation-window pin (the engine's recent window keeps the newest ``r``).
+    ``snapkv-longbench`` is the original authors' setting.
     """
 
     needs = frozenset({"queries"})
 
-    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max", aggregate: str = "mean"):
-        _check_positive("snapkv", window=window, kernel=kernel)
+    def __init__(self, window: Optional[int] = None, kernel: int = 5, pooling: str = "avg",
+                 aggregate: str = "mean", keep_window: bool = False):
+        _check_window("snapkv", window)
+        _check_positive("snapkv", kernel=kernel)
         if pooling not in ("max", "avg"):
             raise ValueError(f"snapkv: pooling must be 'max' or 'avg', got {pooling!r}")
         self.window, self.kernel, self.pooling = window, kernel, pooling
         self.aggregate = _check_aggregate("snapkv", aggregate)
+        self.keep_window = bool(keep_window)
 
     def importance(self, view: CacheView) -> torch.Tensor:
+        """The pooled window attention per KV head ``[B, H_kv, S]`` (pooling per query head, then the group)."""
         _need_queries(view, self.name)
-        attn = window_attention(view, self.aggregate).sum(dim=2)
-        return pool_scores(attn, self.kernel, self.pooling)
+        per_query_head = _softmax(attention_logits(view, self.window)).mean(dim=2)  # [B, H_q, S]
+        pooled = pool_scores(per_query_head, self.kernel, self.pooling)
+        return _group(pooled, view.keys.shape[1], self.aggregate)
 
     def score(self, view: CacheView) -> torch.Tensor:
-        return _pin_recent(self.importance(view), view, self.window)
+        scores = self.importance(view)
+        return _pin_recent(scores, view, self.window or view.buffer) if self.keep_window else scores
 
 
-def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
-    """R-KV's redundancy ``c_i`` per slot ``[B, H, S]``: mean over the other slots ``j`` of
-    ``cos(k_i, k_j)`` counted only where it is ``>= threshold`` and ``j`` is newer than ``i``.
-    Of a cluster of near-identical keys the newest copy therefore carries no penalty (it is the
-    one spared), and every older copy is penalised."""
-    k = F.normalize(keys.to(torch.float32), dim=-1)
-    sim = k @ k.transpose(-1, -2)  # [B, H, S, S]
-    s = sim.shape[-1]
-    newer = torch.ones(s, s, dtype=torch.bool, device=sim.device).triu(diagonal=1)  # j > i
-    sim = torch.where((sim >= threshold) & newer, sim, torch.zeros((), device=sim.device))
-    return sim.sum(-1) / max(s - 1, 1)
+@register_policy("snapkv-longbench")
+class SnapKVLongBenchPolicy(SnapKVPolicy):
+    """SnapKV with its authors' LongBench setting (FasterDecoding/SnapKV): the last 32 queries, max pooling
+    k=7, mean over the query group, and the observation window (the last 32 positions) kept."""
 
-
-def _unit_scale(x: torch.Tensor) -> torch.Tensor:
-    """Divide each head's scores by their maximum (so they lie in [0, 1]); all-zero heads stay zero."""
-    top = x.amax(dim=-1, keepdim=True)
-    return torch.where(top > 0, x / top.clamp_min(1e-30), torch.zeros_like(x))
+    def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max", aggregate: str = "mean",
+                 keep_window: bool = True):
+        super().__init__(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate, keep_window=keep_window)
 
 
 @register_policy("rkv")
 class RKVPolicy(Policy):
-    """R-KV: SnapKV-style importance mixed with a redundancy penalty from key similarity.
+    """R-KV as the paper's grid ran it (its engine's ``attn_rkv`` mode, ``--rkv_lambda 0.5 --smooth``).
 
-    score_i = lam * I_i / max_j I_j + (1 - lam) * (1 - c_i / max_j c_j), where I is SnapKV's
-    pooled window attention (``window`` 8, ``kernel`` 7, max pooling, GQA ``aggregate`` "max")
-    and ``c`` is :func:`redundancy` with cosine ``threshold`` 0.5 (the newest copy of a redundant
-    cluster is spared). ``lam`` defaults to 0.1 (redundancy dominates, importance breaks ties).
-    The observation window (last ``window`` positions) is always kept.
+    score_i = lam * I_i - (1 - lam) * R_i at raw scale, where I is :class:`SnapKVPolicy`'s importance
+    (queries since the last round, average-pooled k=5, mean over the group) and R is
+    :func:`cosine_redundancy` (softmax over candidates of the mean cosine similarity). ``rkv-official``
+    is the R-KV authors' version.
     """
 
     needs = frozenset({"queries"})
 
-    def __init__(self, window: int = 8, kernel: int = 7, pooling: str = "max", aggregate: str = "max",
-                 lam: float = 0.1, threshold: float = 0.5):
+    def __init__(self, lam: float = 0.5, window: Optional[int] = None, kernel: int = 5, pooling: str = "avg",
+                 aggregate: str = "mean"):
         if not 0.0 <= float(lam) <= 1.0:
             raise ValueError(f"rkv: lam must be in [0, 1], got {lam!r}")
-        if not -1.0 <= float(threshold) <= 1.0:
-            raise ValueError(f"rkv: threshold is a cosine similarity in [-1, 1], got {threshold!r}")
         self._snap = SnapKVPolicy(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate)
+        self.lam = float(lam)
         self.window, self.kernel, self.pooling, self.aggregate = window, kernel, pooling, aggregate
-        self.lam, self.threshold = float(lam), float(threshold)
 
     def score(self, view: CacheView) -> torch.Tensor:
-        importance = _unit_scale(self._snap.importance(view))
-        red = _unit_scale(redundancy(view.keys, self.threshold))
-        scores = self.lam * importance + (1.0 - self.lam) * (1.0 - red)
-        return _pin_recent(scores, view, self.window)
+        self._snap.name = self.name
+        return self.lam * self._snap.importance(view) - (1.0 - self.lam) * cosine_redundancy(view.keys)
+
+
+@register_policy("rkv-official")
+class RKVOfficialPolicy(Policy):
+    """R-KV as its authors wrote it (Zefan-Cai/R-KV; the paper's ``rkv_official`` mode, lambda 0.1).
+
+    Importance: logits of the last ``window`` (8; at most the buffer ``r``, as the paper's engine reads them
+    from its buffer of ``r`` queries) queries, max over the query group, softmax over the
+    candidates, mean over the queries, max pooling k=7. Redundancy: :func:`official_redundancy` (cosine
+    ``threshold`` 0.5, the newest similar copy spared). score = lam * I - (1 - lam) * R.
+    """
+
+    needs = frozenset({"queries"})
+
+    def __init__(self, lam: float = 0.1, window: int = 8, kernel: int = 7, threshold: float = 0.5):
+        if not 0.0 <= float(lam) <= 1.0:
+            raise ValueError(f"rkv-official: lam must be in [0, 1], got {lam!r}")
+        if not -1.0 <= float(threshold) <= 1.0:
+            raise ValueError(f"rkv-official: threshold is a cosine similarity in [-1, 1], got {threshold!r}")
+        _check_positive("rkv-official", window=window, kernel=kernel)
+        self.lam, self.window, self.kernel, self.threshold = float(lam), window, kernel, float(threshold)
+
+    def importance(self, view: CacheView) -> torch.Tensor:
+        _need_queries(view, self.name)
+        # The paper's engine reads them from its buffer of the last r queries: with r < 8, those r.
+        window = min(self.window, view.buffer)
+        logits = _group(attention_logits(view, window), view.keys.shape[1], "max")  # [B, H_kv, w, S]
+        return pool_scores(_softmax(logits).mean(dim=2), self.kernel, "max")
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        red = official_redundancy(view.keys, self.threshold)
+        return self.lam * self.importance(view) - (1.0 - self.lam) * red
 
 
 @register_policy("vase")
 class VaSEPolicy(Policy):
-    """VaSE: a fixed top set by value range, attention sinks, the rest sampled by SnapKV score.
+    """VaSE as the paper ran it (its engine's ``range_sink_sample_attn`` mode, ``--n_large T/4 --smooth``).
 
-    The ``n_top`` pairs with the largest value range ``max_d v_i - min_d v_i`` (default K // 8) and
-    the first ``n_sink`` positions (default 4) are kept. The remaining places are filled by sampling
-    without replacement with probability proportional to the SnapKV score (window 32, kernel 7,
-    max pooling, mean over the group), using the Gumbel-top-k trick with the cache's seeded
-    generator: score_i = log(snap_i) + G_i, G_i ~ Gumbel(0, 1).
+    A top set of ``n_top`` candidates by value range ``max_d v - min_d v`` (default ``T // 4``), with the
+    first ``n_sink`` positions (4) forced into it; the remaining places are sampled without replacement in
+    proportion to :class:`SnapKVPolicy`'s score (Gumbel-top-k with the cache's seeded generator:
+    ``log(snap_i) + G_i``, the same distribution as ``torch.multinomial`` without replacement). Candidates
+    the core already pins (the protected prompt: the paper's ``range_sink_sample_attn_pp``) are left out of
+    the top set and the sample, which then fill the places left: ``min(n_top, keep - pinned)`` and the rest.
     """
 
     needs = frozenset({"queries"})
 
-    def __init__(self, n_top: "int | None" = None, n_sink: int = 4, window: int = 32, kernel: int = 7,
-                 pooling: str = "max", aggregate: str = "mean"):
+    def __init__(self, n_top: "int | None" = None, n_sink: int = 4, window: Optional[int] = None, kernel: int = 5,
+                 pooling: str = "avg", aggregate: str = "mean"):
         if n_top is not None:
             _check_positive("vase", n_top=n_top)
         if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
@@ -228,13 +319,21 @@ class VaSEPolicy(Policy):
         self.window, self.kernel, self.pooling, self.aggregate = window, kernel, pooling, aggregate
 
     def score(self, view: CacheView) -> torch.Tensor:
+        self._snap.name = self.name
         snap = self._snap.importance(view)
+        vrange = (view.values.amax(dim=-1) - view.values.amin(dim=-1)).to(torch.float32)  # [B, H, S]
+        vrange = vrange.masked_fill(view.positions < self.n_sink, math.inf)
+        pinned = view.pinned
+        n_pinned = 0
+        if pinned is not None:
+            vrange = vrange.masked_fill(pinned, -math.inf)
+            n_pinned = int(pinned.sum(-1).max())
+        n_top = self.n_top if self.n_top is not None else max(1, view.budget // 4)
+        n_top = max(0, min(n_top, view.keep - n_pinned, vrange.shape[-1]))
         u = torch.rand(snap.shape, generator=view.generator, device=snap.device, dtype=torch.float32)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
         scores = torch.log(snap.clamp_min(1e-30)) + gumbel
-        n_top = self.n_top if self.n_top is not None else max(1, view.budget // 8)
-        vrange = view.values.amax(dim=-1) - view.values.amin(dim=-1)  # [B, H, S]
-        n_top = min(n_top, vrange.shape[-1])
-        top = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, vrange.topk(n_top, dim=-1).indices, True)
-        sinks = view.positions < self.n_sink
-        return scores.masked_fill(top | sinks, math.inf)
+        if n_top:
+            top = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, vrange.topk(n_top, dim=-1).indices, True)
+            scores = scores.masked_fill(top, math.inf)
+        return scores

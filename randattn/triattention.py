@@ -27,13 +27,24 @@ where ``x_f^c = x_f + i x_{f+R/2}`` and ``|x_f| = |x_f^c|`` (pair magnitude), ``
 and ``RoPE(q, t)`` is exactly HF's ``apply_rotary_pos_emb`` with ``cos = cos(t w) * a`` and
 ``sin = sin(t w) * a``. ``norm_j`` is position-free: the part of a future query's length that
 the mean direction does not explain (``mbar_f >= |qbar_f|``), credited to keys with large pair
-magnitudes. Each query head's ``raw`` is then z-normalised over the slots,
-``z_j = (raw_j - mean_j raw) / (std_j raw + 1e-6)`` (population std), and the KV head's score is
-``aggregate`` over its query group (``"max"``, default, or ``"mean"``; query head ``h_q`` reads
-KV head ``h_q // (H_q / H_kv)`` as in HF's ``repeat_kv``). Higher = keep.
+magnitudes. Each query head's ``raw`` is then z-normalised over the generated candidates (the prompt
+left out of the mean and std, as the paper's engine and the TriAttention reference, whose score matrix
+never holds the prefill), ``z_j = (raw_j - mean raw) / max(std raw, 1e-6)`` (population std), and the
+KV head's score is ``aggregate`` over its query group (``"max"``, default, or ``"mean"``; query head
+``h_q`` reads KV head ``h_q // (H_q / H_kv)`` as in HF's ``repeat_kv``). Higher = keep.
 
-Defaults: ``offsets = (1, 2, 4, ..., 1024)`` (11 powers of two), dropping offsets above the
-model's ``max_position_embeddings`` recorded in the statistics; ``aggregate = "max"``.
+With ``shared_layers=True`` (default; the paper's ``triattn_ph``, "the scheme behind the reported
+numbers") every KV head keeps one set shared by all layers: its score at a position is the mean over
+layers of that layer's group score. ``shared_layers=False`` is the per-layer ``triattn_pl``. The
+prompt is pinned in both (the cache's prompt protection, on by default).
+
+This is the math of the paper's engine (``kvcompress/engine/triattn_official.py``, after
+WeianMao/triattention): ``amp * cos((L - p + delta) w + phi) + extra`` with ``phi`` the phase of
+``qbar conj(k_pre)``. It equals the formula above exactly when the rotary ``attention_scaling`` is 1
+(Llama, Qwen3, SmolLM2); with another factor the two differ by a power of it.
+
+Defaults: ``offsets = (1, 2, 4, ..., 65536)`` (17 powers of two, as the paper's engine);
+``aggregate = "max"``.
 
 Usage::
 
@@ -67,7 +78,7 @@ __all__ = [
 ]
 
 FORMAT = "randattn-triattention-v1"
-DEFAULT_OFFSETS: tuple[int, ...] = tuple(2**i for i in range(11))  # 1, 2, 4, ..., 1024
+DEFAULT_OFFSETS: tuple[int, ...] = tuple(2**i for i in range(17))  # 1, 2, 4, ..., 65536 (the paper's engine)
 STATS_DIR = Path(__file__).resolve().parent / "stats"  # package data: ships in the wheel
 _EPS = 1e-6
 _AGGREGATES = ("max", "mean")
@@ -315,25 +326,29 @@ def _check_offsets(offsets) -> tuple[int, ...]:
 
 @register_policy("triattention")
 class TriAttentionPolicy(Policy):
-    """TriAttention: the offset-averaged logit of the calibrated mean query, rotated to future
-    positions, plus a norm term; z-normalised per query head, then max (or mean) over the group.
+    """TriAttention as the paper ran it (its engine's ``triattn_ph``): the offset-averaged logit of the
+    calibrated mean query, rotated to future positions, plus a norm term; z-normalised per query head over
+    the generated candidates, max over the group, and (``shared_layers``) averaged over the layers, so each
+    KV head keeps one set in every layer.
 
     ``raw_j = mean_{delta in offsets} RoPE(qbar, L + delta) . k_j + sum_f (mbar_f - |qbar_f|) |k_{j,f}|``,
-    ``z = (raw - mean_j raw) / (std_j raw + 1e-6)``, score = ``aggregate`` of ``z`` over the query
-    heads of each KV head. Full formula and conventions in :mod:`randattn.triattention`.
+    ``z = (raw - mean raw) / max(std raw, 1e-6)`` over non-prompt candidates, score = ``aggregate`` of ``z``
+    over the query heads of each KV head. Full formula and conventions in :mod:`randattn.triattention`.
 
     Args:
         stats: the model's statistics: a ``.pt`` path from ``python -m randattn.calibrate``, the
             short name of a shipped file (``"smollm2-135m"``), a dict or :class:`TriAttentionStats`.
             Required.
-        offsets: future offsets ``delta`` averaged over (default ``1, 2, 4, ..., 1024``, capped at the
-            model's ``max_position_embeddings`` when the statistics record it).
+        offsets: future offsets ``delta`` averaged over (default ``1, 2, 4, ..., 65536``).
         aggregate: ``"max"`` (default, after z-normalisation) or ``"mean"`` over the query group.
+        shared_layers: one keep-set per KV head for all layers (default, ``triattn_ph``), or one per layer
+            (``triattn_pl``).
     """
 
     needs = frozenset()
 
-    def __init__(self, stats=None, offsets: Optional[Sequence[int]] = None, aggregate: str = "max"):
+    def __init__(self, stats=None, offsets: Optional[Sequence[int]] = None, aggregate: str = "max",
+                 shared_layers: bool = True):
         if stats is None:
             shipped = ", ".join(f'"{n}"' for n in shipped_stats()) or "none"
             raise ValueError(
@@ -344,14 +359,18 @@ class TriAttentionPolicy(Policy):
             )
         if aggregate not in _AGGREGATES:
             raise ValueError(f"triattention: aggregate must be one of {_AGGREGATES}, got {aggregate!r}")
+        if not isinstance(shared_layers, bool):
+            raise ValueError(f"triattention: shared_layers must be True or False, got {shared_layers!r}")
         self._stats = load_stats(stats)
         self.stats = stats if isinstance(stats, (str, os.PathLike)) else "<in-memory>"
-        if offsets is None:
-            cap = self._stats.meta.get("max_position_embeddings")
-            offsets = tuple(o for o in DEFAULT_OFFSETS if cap is None or o <= int(cap)) or (1,)
-        self.offsets = _check_offsets(offsets)
+        self.offsets = _check_offsets(DEFAULT_OFFSETS if offsets is None else offsets)
         self.aggregate = aggregate
+        self.shared_layers = shared_layers
         self._on: dict = {}
+
+    @property
+    def scope(self) -> str:  # type: ignore[override]
+        return "model" if self.shared_layers else "layer"
 
     def _tensors(self, device: torch.device):
         key = str(device)
@@ -380,14 +399,40 @@ class TriAttentionPolicy(Policy):
                 f"Calibrate this model with `{CALIBRATE_HINT}`"
             )
 
-    def score(self, view: CacheView) -> torch.Tensor:
+    def group_scores(self, view: CacheView) -> torch.Tensor:
+        """One layer's score ``[B, H_kv, S]``: z-normalised per query head over the generated candidates,
+        then aggregated over the group."""
         self._check_view(view)
         qbar, mbar, inv_freq = self._tensors(view.keys.device)
         raw = triattention_raw(
             view.keys, qbar[view.layer_idx], mbar[view.layer_idx], inv_freq,
             self._stats.attention_scaling, view.seq_len, self.offsets,
         )  # [B, H_kv, G, S]
-        mean = raw.mean(dim=-1, keepdim=True)
-        std = raw.std(dim=-1, unbiased=False, keepdim=True)
-        z = (raw - mean) / (std + _EPS)
+        generated = view.positions >= view.prompt_len  # [B, H_kv, S]
+        if int(generated.sum(-1).min()) > 1:
+            w = generated[:, :, None, :].to(raw.dtype)
+            n = w.sum(-1, keepdim=True)
+            mean = (raw * w).sum(-1, keepdim=True) / n
+            std = (((raw - mean) ** 2 * w).sum(-1, keepdim=True) / n).sqrt()
+        else:
+            mean = raw.mean(dim=-1, keepdim=True)
+            std = raw.std(dim=-1, unbiased=False, keepdim=True)
+        z = (raw - mean) / std.clamp_min(_EPS)
         return z.amax(dim=2) if self.aggregate == "max" else z.mean(dim=2)
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        return self.group_scores(view)
+
+    def score_layers(self, views: "list[CacheView]") -> "list[torch.Tensor]":
+        """The layer-shared score: at every absolute position, the mean over the layers holding it of their
+        group scores (all layers hold the same positions when every one keeps the shared set)."""
+        per_layer = [self.group_scores(v) for v in views]
+        b, h, _ = views[0].shape
+        length = max(v.seq_len for v in views)
+        total = torch.zeros((b, h, length), dtype=torch.float64, device=per_layer[0].device)
+        count = torch.zeros_like(total)
+        for v, sc in zip(views, per_layer):
+            total.scatter_add_(2, v.positions, sc.to(torch.float64))
+            count.scatter_add_(2, v.positions, torch.ones_like(sc, dtype=torch.float64))
+        mean = total / count.clamp_min(1)
+        return [torch.gather(mean, 2, v.positions).to(torch.float32) for v in views]

@@ -268,15 +268,15 @@ def test_length_guard_flags_rows_that_never_evicted(tiny_dir, tmp_path, capsys):
 
 
 def test_compression_sweep_sets_k_from_full_attention_length(tiny_dir, tmp_path):
-    code, out = _run(tiny_dir, tmp_path, "--policy", "random", "--compression", "2", "8", "--no-protect-prompt",
-                     "--runs", "1", "--problems", "2", "--max-new-tokens", "48", "--no-figure")
+    code, out = _run(tiny_dir, tmp_path, "--policy", "random", "--compression", "2", "4", "--no-protect-prompt",
+                     "--runs", "1", "--problems", "2", "--max-new-tokens", "48", "--buffer", "4", "--no-figure")
     assert code == 0
     rows = _rows(out)
     full = [r for r in rows if r["policy"] == "full"]
     assert len(full) == 2  # run first, because the sweep needs it
     mean = sum(r["gen_len"] for r in full) / len(full)
     sweep = {r["compression"]: r["budget"] for r in rows if r["policy"] == "random"}
-    assert sweep == {2.0: round(mean / 2), 8.0: round(mean / 8)}
+    assert sweep == {2.0: round(mean / 2), 4.0: round(mean / 4)}
     assert all(r["events"] > 0 for r in rows if r["policy"] == "random")
 
 
@@ -308,7 +308,7 @@ def test_math_task_from_a_data_file_runs_and_grades(tiny_dir, tmp_path):
                               for i in range(3)) + "\n")
     out = tmp_path / "m.jsonl.out"
     assert accuracy.main(["--model", tiny_dir, "--task", "math500", "--data", str(data), "--policy", "full", "random",
-                          "--budget", "60", "--buffer", "4", "--runs", "1", "--max-new-tokens", "12", "--out",
+                          "--budget", "64", "--buffer", "4", "--runs", "1", "--max-new-tokens", "12", "--out",
                           str(out), "--no-figure"]) == 0
     rows = _rows(out)
     assert {r["problem"] for r in rows} == {"m0", "m1", "m2"} and all(r["grade"] in (0.0, 1.0) for r in rows)

@@ -42,7 +42,7 @@ def selector_file(tmp_path, monkeypatch):
 def _generate(policy, **kw):
     model = tiny_model("llama")
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    cache = randattn.EvictingCache(policy, budget=16, buffer=4, seed=0, **kw)
+    cache = randattn.EvictingCache(policy, budget=20, buffer=4, seed=0, **kw)
     randattn.generate(model, ids, cache, max_new_tokens=20, do_sample=False, pad_token_id=0)
     return cache
 

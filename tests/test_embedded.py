@@ -52,7 +52,7 @@ def test_random_attention_generates_coherent_text_and_rounds_run(embedded):
 def test_budget_at_least_length_reproduces_uncompressed_generation(embedded):
     model, tok = embedded
     ids = _prompt_ids(tok)
-    cache = randattn.EvictingCache("random", budget=ids.shape[1] + 64, buffer=64)
+    cache = randattn.EvictingCache("random", budget=ids.shape[1] + 65, buffer=64)  # the prompt + 1 beside the recent 64
     ours = randattn.generate(model, ids, cache, max_new_tokens=60, do_sample=False)
     plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False)
     assert max(cache.events) == 0

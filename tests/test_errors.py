@@ -28,25 +28,48 @@ def test_bad_buffer(buffer):
 
 def test_unknown_policy_lists_the_known_ones():
     with pytest.raises(ValueError) as err:
-        randattn.EvictingCache("h2oo", budget=8)
+        randattn.EvictingCache("h2oo", budget=8, buffer=4)
     for name in ["random", "random-shared", "recency", "streamingllm"]:
         assert name in str(err.value)
 
 
 def test_unknown_policy_option():
     with pytest.raises(ValueError, match="does not take option.*'sinks'.*n_sink"):
-        randattn.EvictingCache("streamingllm", budget=8, sinks=2)
+        randattn.EvictingCache("streamingllm", budget=8, buffer=4, sinks=2)
 
 
 def test_prompt_too_long_for_budget_names_both_numbers(tiny):
     model = tiny("llama")
-    with pytest.raises(ValueError, match="budget K=16 cannot hold the protected prompt of 20 tokens"):
-        randattn.generate(model, random_ids(1, 20), randattn.EvictingCache("random", budget=16), max_new_tokens=2)
-    with pytest.raises(ValueError, match="budget K=16 cannot hold the protected prompt of 16 tokens"):
-        randattn.EvictingCache("random", budget=16, prompt_len=16)
+    with pytest.raises(ValueError, match="budget T=16 cannot hold the protected prompt of 20 tokens"):
+        randattn.generate(model, random_ids(1, 20), randattn.EvictingCache("random", budget=16, buffer=4),
+                          max_new_tokens=2)
+    # the recent window (default r) is no place for the prompt: T - r - 1 prompt tokens fit, no more
+    with pytest.raises(ValueError, match="budget T=16 cannot hold the protected prompt of 12 tokens"):
+        randattn.EvictingCache("random", budget=16, buffer=4, prompt_len=12)
+    randattn.EvictingCache("random", budget=16, buffer=4, prompt_len=11)
+    randattn.EvictingCache("random", budget=16, buffer=4, recent=0, prompt_len=15)
     # raw HF generate hits the same check at prefill
-    with pytest.raises(ValueError, match="use budget >= 21 or protect_prompt=False"):
-        model.generate(random_ids(1, 20), past_key_values=randattn.EvictingCache("random", budget=16), max_new_tokens=2)
+    with pytest.raises(ValueError, match="use budget >= 25 or protect_prompt=False"):
+        model.generate(random_ids(1, 20), past_key_values=randattn.EvictingCache("random", budget=16, buffer=4),
+                       max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=32), "must exceed the recent window, which is the buffer r=64"),
+    (dict(budget=32, buffer=8, recent=32), "recent must be an integer in \\[0, budget\\)"),
+    (dict(budget=32, buffer=8, recent=-1), "recent must be an integer"),
+    (dict(budget=32, buffer=8, seed=1.5), "seed must be an integer"),
+])
+def test_bad_recent_window_or_seed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        randattn.EvictingCache("random", **kwargs)
+
+
+def test_a_paper_mode_name_carries_its_protection():
+    assert randattn.EvictingCache("attn", budget=32, buffer=8).protect_prompt is False
+    assert randattn.EvictingCache("attn_pp", budget=32, buffer=8).protect_prompt is True
+    with pytest.raises(ValueError, match="'attn' runs with the prompt unprotected by definition.*attn_pp"):
+        randattn.EvictingCache("attn", budget=32, buffer=8, protect_prompt=True)
 
 
 def test_left_padded_batch_is_refused_in_hf_generate(tiny):
@@ -55,15 +78,15 @@ def test_left_padded_batch_is_refused_in_hf_generate(tiny):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with pytest.raises(ValueError, match="does not support padded batches"):
-        model.generate(ids, attention_mask=mask, past_key_values=randattn.EvictingCache("random", budget=32), max_new_tokens=3)
+        model.generate(ids, attention_mask=mask, past_key_values=randattn.EvictingCache("random", budget=32, buffer=8), max_new_tokens=3)
     with pytest.raises(ValueError, match="attention_mask has padding"):
-        randattn.generate(model, ids, randattn.EvictingCache("random", budget=32), attention_mask=mask, max_new_tokens=3)
+        randattn.generate(model, ids, randattn.EvictingCache("random", budget=32, buffer=8), attention_mask=mask, max_new_tokens=3)
 
 
 def test_assisted_decoding_is_refused(tiny):
     model = tiny("llama")
     with pytest.raises(ValueError, match="assisted"):
-        randattn.generate(model, random_ids(1, 8), randattn.EvictingCache("random", budget=32), assistant_model=model)
+        randattn.generate(model, random_ids(1, 8), randattn.EvictingCache("random", budget=32, buffer=8), assistant_model=model)
     cache = randattn.EvictingCache("random", budget=4, buffer=2, protect_prompt=False)
     _feed(cache, 0, 10, 1, 2)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
@@ -72,7 +95,7 @@ def test_assisted_decoding_is_refused(tiny):
 
 def test_reusing_a_cache_is_refused(tiny):
     model = tiny("llama")
-    cache = randattn.EvictingCache("random", budget=32)
+    cache = randattn.EvictingCache("random", budget=32, buffer=8)
     randattn.generate(model, random_ids(1, 8), cache, max_new_tokens=2)
     with pytest.raises(ValueError, match="already been used"):
         randattn.replay(model, random_ids(1, 8), cache, prompt_len=4)
@@ -80,7 +103,7 @@ def test_reusing_a_cache_is_refused(tiny):
 
 def test_sliding_window_model_is_refused_past_its_window():
     model = tiny_model("mistral", sliding_window=24)
-    cache = randattn.EvictingCache("random", budget=12, buffer=4)
+    cache = randattn.EvictingCache("random", budget=14, buffer=4)
     with pytest.raises(UnsupportedModelError, match="sliding-window attention \\(window 24\\)"):
         randattn.generate(model, random_ids(1, 8), cache, max_new_tokens=40, do_sample=False)
 

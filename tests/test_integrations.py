@@ -16,11 +16,11 @@ def test_nnsight_generate_with_evicting_cache_and_interventions(tmp_path):
     tok = tiny_tokenizer(tmp_path / "tok")
     ids = random_ids(1, 12, seed=7)
     n = 40
-    ref_cache = randattn.EvictingCache("random", budget=16, buffer=4, seed=3)
+    ref_cache = randattn.EvictingCache("random", budget=20, buffer=4, seed=3)
     ref = hf.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=ref_cache)
 
     lm = nnsight_model(hf, tok)
-    cache = randattn.EvictingCache("random", budget=16, buffer=4, seed=3)
+    cache = randattn.EvictingCache("random", budget=20, buffer=4, seed=3)
     with lm.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache) as tracer:
         seen = nnsight.save([])
         for _ in tracer.iter[0:n]:
@@ -33,7 +33,7 @@ def test_nnsight_generate_with_evicting_cache_and_interventions(tmp_path):
         assert torch.equal(a.positions, b.positions)
 
     # An intervention inside generate changes the tokens and still runs through the evicting cache.
-    forced = randattn.EvictingCache("random", budget=16, buffer=4, seed=3)
+    forced = randattn.EvictingCache("random", budget=20, buffer=4, seed=3)
     with lm.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=forced) as tracer:
         for _ in tracer.iter[1:n]:
             lm.lm_head.output[:, -1, 7] = 1e4

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import randattn
+import randattn.keepstats
 
 
 def _feed(cache, layer, n, b, h, d=3):
@@ -23,10 +24,12 @@ def test_invariants_hold_for_random_configurations(trial):
     rng = random.Random(trial)
     b, h, layers = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 3)
     budget, buffer = rng.randint(2, 40), rng.randint(1, 12)
-    protect = rng.random() < 0.6
-    prompt = rng.randint(1, budget - 1) if protect else rng.randint(1, 3 * budget)
+    recent = rng.choice([0, min(buffer, budget // 2), rng.randint(0, budget // 2)])
+    protect = rng.random() < 0.6 and budget - recent >= 6
+    prompt = rng.randint(1, budget - recent - 1) if protect else rng.randint(1, 3 * budget)
     policy = rng.choice(["random", "random-shared", "recency", "streamingllm", "random-block"])
-    cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, protect_prompt=protect, seed=trial)
+    cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, recent=recent, protect_prompt=protect,
+                                   seed=trial)
     chunks = [prompt] + [rng.choice([1, 1, 1, rng.randint(1, buffer)]) for _ in range(rng.randint(20, 80))]
     previous = [None] * layers
     for n in chunks:
@@ -42,6 +45,9 @@ def test_invariants_hold_for_random_configurations(trial):
             if ran_round:
                 assert pos.shape[-1] == budget
                 assert layer.round_lengths[-1] == layer.seq_len  # the round's sequence length is recorded
+                # the recent window: every head still holds the newest `recent` positions of the round
+                newest = torch.arange(layer.seq_len - recent, layer.seq_len)
+                assert bool((pos[..., budget - recent:] == newest).all())
             assert len(layer.round_lengths) == layer.events
             # chronological, no duplicates
             assert bool((pos[..., 1:] > pos[..., :-1]).all())
@@ -63,31 +69,40 @@ def test_invariants_hold_for_random_configurations(trial):
 
 
 @pytest.mark.parametrize("protect", [False, True])
-def test_random_survival_matches_analytic_curve(protect):
-    """Per-head survival of a pair after n rounds is (K/(K+r))^n, or ((K-lp)/(K+r-lp))^n with the
-    prompt pinned. Tolerance: 4 binomial standard errors + 0.01 at every n."""
+@pytest.mark.parametrize("recent", [0, 16, 5])
+def test_random_survival_matches_analytic_curve(protect, recent):
+    """Per-head survival of a pair after competing in n rounds is q^n with
+    q = (T - recent - lp) / (T + r - recent - lp) (lp = 0 unprotected): the paper's (T - r - lp) / (T - lp)
+    at recent = r, the all-compete (T - lp) / (T + r - lp) at recent = 0. Tolerance: 4 binomial standard
+    errors + 0.01 at every n."""
     b, h, budget, buffer, prompt = 4, 8, 48, 16, 8
-    cache = randattn.EvictingCache("random", budget=budget, buffer=buffer, protect_prompt=protect, seed=123)
+    cache = randattn.EvictingCache("random", budget=budget, buffer=buffer, recent=recent, protect_prompt=protect,
+                                   seed=123)
     _feed(cache, 0, prompt, b, h)
     n_rounds = 14
     while cache.events[0] < n_rounds:
         _feed(cache, 0, 1, b, h)
     pos = cache.layers[0].positions
-    free = budget - prompt if protect else budget
-    p = free / (free + buffer)
-    # Positions written between round j-1 and round j have been through n_rounds - j + 1 rounds.
+    pinned = prompt if protect else 0
+    p = (budget - recent - pinned) / (budget + buffer - recent - pinned)
+    assert p == pytest.approx(randattn.keepstats.random_round_survival(budget, buffer, prompt, protect, recent=recent))
+    # Positions written between round j-1 and round j compete first at round j, unless still among the newest
+    # `recent` then (recent >= r here means a whole cohort sits out round j).
     round_ends = [budget + buffer + j * buffer for j in range(n_rounds)]  # seq_len at each round
     checked = 0
-    for j in range(3, n_rounds):  # the first rounds mix in prompt/early-prefill cohorts
+    for j in range(3, n_rounds - 1):  # the first rounds mix in prompt/early-prefill cohorts
         lo, hi = round_ends[j - 1], round_ends[j]
-        cohort = torch.arange(lo, hi)
-        survived = torch.isin(pos, cohort).sum().item()
-        total = b * h * len(cohort)
-        n = n_rounds - j
-        expected = p**n
-        se = math.sqrt(expected * (1 - expected) / total)
-        assert abs(survived / total - expected) <= 4 * se + 0.01, (n, survived / total, expected)
-        checked += 1
+        # split the cohort by whether it competed at round j (older than the newest `recent` of that round)
+        for cohort, n in ((torch.arange(lo, min(hi, hi - recent)), n_rounds - j),
+                          (torch.arange(max(lo, hi - recent), hi), n_rounds - j - 1)):
+            if cohort.numel() == 0:
+                continue
+            survived = torch.isin(pos, cohort).sum().item()
+            total = b * h * len(cohort)
+            expected = p**n
+            se = math.sqrt(expected * (1 - expected) / total)
+            assert abs(survived / total - expected) <= 4 * se + 0.01, (n, survived / total, expected)
+            checked += 1
     assert checked >= 10
 
 
@@ -144,10 +159,10 @@ def test_keep_log_round_trips_through_npz(tmp_path):
 
 
 @pytest.mark.parametrize("block", [1, 3, 8, 32])
-def test_random_block_keeps_contiguous_suffixes_of_blocks(block):
+def test_random_block_by_position_keeps_contiguous_suffixes_of_blocks(block):
     budget, buffer, b, h = 32, 8, 2, 3
     cache = randattn.EvictingCache("random-block", budget=budget, buffer=buffer, protect_prompt=False, seed=block,
-                                   block=block)
+                                   block=block, align="position")
     blocks_seen = set()
     for step in range(300):
         _feed(cache, 0, 1, b, h)

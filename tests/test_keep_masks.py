@@ -41,7 +41,7 @@ def test_force_evict_removes_positions_at_the_next_round_even_from_the_prompt():
 def test_too_many_pins_is_a_clear_error():
     cache = randattn.EvictingCache("random", budget=8, buffer=4, protect_prompt=False)
     cache.pin(range(10))
-    with pytest.raises(ValueError, match="pinned .* budget keeps only K=8"):
+    with pytest.raises(ValueError, match="pinned .* a round keeps only T - recent = 4"):
         _run(cache, steps=20)
 
 

@@ -213,12 +213,13 @@ def test_gqa_aggregate_max_vs_mean():
     assert mn[2] > mn[0] and mn[2] > mn[1]
 
 
-def test_default_offsets_are_powers_of_two_capped_by_max_positions():
+def test_default_offsets_are_the_papers_powers_of_two_up_to_65536():
     inv_freq = torch.tensor([1.0], dtype=torch.float64)
     st = _stats(torch.ones(1, 2), torch.ones(1, 1), inv_freq)
-    assert make_policy("triattention", stats=st).offsets == DEFAULT_OFFSETS == tuple(2**i for i in range(11))
-    st.meta["max_position_embeddings"] = 100
-    assert make_policy("triattention", stats=st).offsets == (1, 2, 4, 8, 16, 32, 64)
+    assert make_policy("triattention", stats=st).offsets == DEFAULT_OFFSETS == tuple(2**i for i in range(17))
+    st.meta["max_position_embeddings"] = 100  # the paper's engine does not cap them
+    assert make_policy("triattention", stats=st).offsets == DEFAULT_OFFSETS
+    assert make_policy("triattention", stats=st, offsets=[1, 2]).offsets == (1, 2)
 
 
 # -- calibration -----------------------------------------------------------------------------------
@@ -384,7 +385,7 @@ def test_prompt_is_never_evicted_under_triattention(tiny):
 # -- 5. errors -------------------------------------------------------------------------------------
 def test_missing_stats_error_says_how_to_make_them():
     with pytest.raises(ValueError) as err:
-        randattn.EvictingCache("triattention", budget=32)
+        randattn.EvictingCache("triattention", budget=32, buffer=8)
     msg = str(err.value)
     assert "python -m randattn.calibrate --model" in msg and "--out" in msg
     assert 'EvictingCache("triattention", budget=..., stats=' in msg
@@ -394,23 +395,23 @@ def test_missing_stats_error_says_how_to_make_them():
 def test_missing_file_and_unknown_name(tmp_path):
     missing = tmp_path / "nope" / "stats.pt"
     with pytest.raises(FileNotFoundError, match="nope"):
-        randattn.EvictingCache("triattention", budget=32, stats=str(missing))
+        randattn.EvictingCache("triattention", budget=32, buffer=8, stats=str(missing))
     with pytest.raises(FileNotFoundError, match="shipped") as err:
-        randattn.EvictingCache("triattention", budget=32, stats="no-such-model")
+        randattn.EvictingCache("triattention", budget=32, buffer=8, stats="no-such-model")
     assert "python -m randattn.calibrate" in str(err.value)
     torch.save([1, 2, 3], tmp_path / "junk.pt")
     with pytest.raises(ValueError, match="TriAttention statistics"):
-        randattn.EvictingCache("triattention", budget=32, stats=str(tmp_path / "junk.pt"))
+        randattn.EvictingCache("triattention", budget=32, buffer=8, stats=str(tmp_path / "junk.pt"))
 
 
 def test_bad_options():
     st = _stats(torch.ones(1, 2), torch.ones(1, 1), torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match="aggregate"):
-        randattn.EvictingCache("triattention", budget=8, stats=st, aggregate="median")
+        randattn.EvictingCache("triattention", budget=8, buffer=4, stats=st, aggregate="median")
     with pytest.raises(ValueError, match="offsets"):
-        randattn.EvictingCache("triattention", budget=8, stats=st, offsets=[])
+        randattn.EvictingCache("triattention", budget=8, buffer=4, stats=st, offsets=[])
     with pytest.raises(ValueError, match="offsets"):
-        randattn.EvictingCache("triattention", budget=8, stats=st, offsets=[1, -2])
+        randattn.EvictingCache("triattention", budget=8, buffer=4, stats=st, offsets=[1, -2])
 
 
 def test_wrong_shape_stats_are_named(tiny, tmp_path):
@@ -420,18 +421,18 @@ def test_wrong_shape_stats_are_named(tiny, tmp_path):
     stats.save(tmp_path / "s.pt")
     # head_dim 8: refused at the first round, naming both head dims
     other = tiny_model("llama", head_dim=8)
-    cache = randattn.EvictingCache("triattention", budget=16, buffer=4, stats=str(tmp_path / "s.pt"))
+    cache = randattn.EvictingCache("triattention", budget=20, buffer=4, stats=str(tmp_path / "s.pt"))
     with pytest.raises(RuntimeError, match="head_dim 8 but the statistics have head_dim 16"):
         randattn.replay(other, random_ids(1, 40), cache, prompt_len=4)
     # more layers than the statistics cover: the round of layer 2 is refused
     deeper = tiny_model("llama", num_hidden_layers=3)
-    cache = randattn.EvictingCache("triattention", budget=16, buffer=4, stats=stats)
+    cache = randattn.EvictingCache("triattention", budget=20, buffer=4, stats=stats)
     with pytest.raises(RuntimeError, match="layer 2 but the statistics cover 2 layers"):
         randattn.replay(deeper, random_ids(1, 40), cache, prompt_len=4)
     # KV heads differ
     with pytest.raises(RuntimeError, match="KV heads"):
         randattn.replay(tiny_model("llama", num_key_value_heads=4), random_ids(1, 40),
-                        randattn.EvictingCache("triattention", budget=16, buffer=4, stats=stats), prompt_len=4)
+                        randattn.EvictingCache("triattention", budget=20, buffer=4, stats=stats), prompt_len=4)
     # check_stats compares everything up front
     with pytest.raises(ValueError, match=r"num_layers 2 \(model has 3\)"):
         check_stats(stats, deeper)
