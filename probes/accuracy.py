@@ -51,13 +51,26 @@ from .common import base_parser, check_policies, positive_int
 from .passcode import POLICIES
 from .planted_run import write_csv
 from .results import REPO_ROOT, ResultsFile, git_revision
-from .tasks import TASKS, TaskDataError, chat_ids, get_task, has_thinking_mode, load_problems
+from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
 FULL = "full"
 # Policies whose scores never draw on the eviction seed: under greedy decoding their runs are identical, so they run
 # once (like full attention). tests/test_accuracy.py checks that their keep-sets do not depend on the seed.
-SEED_FREE = frozenset({"recency", "streamingllm", "h2o", "snapkv", "rkv", "triattention"})
+SEED_FREE = frozenset({"recency", "streamingllm", "h2o", "snapkv", "snapkv-longbench", "rkv", "rkv-official",
+                       "triattention"})
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
+
+#: The protocols, by name. ``protected`` / ``score-only``: every policy with the prompt pinned / competing.
+#: ``matched``: the paper's Table 2, every policy both ways. ``grid``: the paper's main grid
+#: (``scripts/run_cell.sh``): each baseline in its native mode against protected Random, sampling with the model
+#: card's settings (its generation config), the paper's runs per task.
+PROTOCOLS = ("protected", "score-only", "matched", "grid")
+#: The native prompt protection of each policy in the paper's grid (``random_pp``, ``attn``, ``attn_rkv``,
+#: ``rkv_official``, ``range_sink_sample_attn``, ``triattn_ph`` with the prefill pinned, ``recency_pp``); policies the
+#: grid did not run take their original papers' mode (H2O and StreamingLLM keep no prompt).
+GRID_PROTECTION = {"random": True, "random-shared": True, "random-block": True, "recency": True, "triattention": True,
+                   "random-ppp": True, "snapkv": False, "snapkv-longbench": False, "rkv": False, "rkv-official": False,
+                   "vase": False, "h2o": False, "streamingllm": False, "random-pcap": False, "random-pmix": False}
 
 
 @dataclass(frozen=True)
@@ -88,16 +101,23 @@ def accuracy_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer", type=positive_int, default=None, help="r (default: the task's; 64 for the paper's tasks)")
     p.add_argument("--compression", type=float, nargs="+", default=None,
                    help="set K = mean full-attention generation length / c for each c (instead of --budget)")
-    p.add_argument("--runs", type=positive_int, default=3, help="runs per problem (eviction seeds; sampling seeds too)")
+    p.add_argument("--runs", type=positive_int, default=None,
+                   help="runs per problem (eviction seeds; sampling seeds too); default 3, or the paper's per task "
+                        "with --protocol grid (MATH500 2, GPQA 4, AIME/HMMT 16, LiveCodeBench 4)")
     p.add_argument("--problems", type=positive_int, default=None, help="first N problems (default: all; copy: 32)")
     p.add_argument("--data", default=None, help="local JSONL of problems instead of the HF dataset (fields: see "
                                                 "probes/tasks.py)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                   help="which arms run: 'protected' (default) or 'score-only' for every policy; 'matched' both ways "
+                        "(the paper's Table 2); 'grid' each baseline in its native mode against protected Random, "
+                        "sampling with the model card's settings and the paper's runs per task (its main grid)")
     p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
-                   help="score only: the prompt competes with everything else (default: protected)")
+                   help="score only: the prompt competes with everything else (the same as --protocol score-only)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the task's (32768 for the "
                                                                              "paper's tasks)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default); > 0 samples; --protocol grid: the model card's (generation config)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature (default 1)")
     p.add_argument("--batch", type=positive_int, default=32, help="problems of equal prompt length generated together")
     p.add_argument("--policy-option", nargs="+", default=[], metavar="POLICY:KEY=VALUE",
                    help="policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 (override the task's)")
@@ -108,18 +128,34 @@ def accuracy_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_card_sampling(model) -> tuple[float, float]:
+    """``(temperature, top_p)`` of the model's generation config (the model card's sampling, as the paper's harness
+    samples with ``do_sample=True`` and the config's defaults), or greedy when the config does not sample."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None or not getattr(gc, "do_sample", False) or not getattr(gc, "temperature", None):
+        return 0.0, 1.0
+    return float(gc.temperature), float(getattr(gc, "top_p", None) or 1.0)
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse bad flag combinations with a message naming the flag and the fix."""
+    args.runs_given, args.sampling_given = args.runs, args.temperature is not None
+    args.runs = args.runs or 3
+    args.temperature = 0.0 if args.temperature is None else args.temperature
+    args.top_p = 1.0 if args.top_p is None else args.top_p
     if args.task not in TASKS:
         p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
     check_policies(p, "--policy", args.policy, extra=(FULL,))
     if args.compression is not None and args.budget is not None:
         p.error("--budget and --compression both set K; pass one of them")
-    if args.compression is not None and any(c <= 0 for c in args.compression):
+    if args.compression is not None and any(not (c > 0) or c == float("inf") for c in args.compression):
         p.error(f"--compression {args.compression}: each factor must be > 0 (e.g. 2 4 8 16)")
-    if args.temperature < 0:
+    if not args.protect_prompt and args.protocol not in (None, "score-only"):
+        p.error(f"--no-protect-prompt and --protocol {args.protocol} disagree; pass one of them")
+    args.protocol = args.protocol or ("protected" if args.protect_prompt else "score-only")
+    if not (args.temperature >= 0):  # also refuses nan
         p.error(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    if not 0 < args.top_p <= 1:
+    if not (0 < args.top_p <= 1):
         p.error(f"--top-p {args.top_p}: must be in (0, 1]")
     if "triattention" in args.policy and args.stats is None and args.model is not None:
         p.error("--policy triattention needs --stats FILE for this model: run `python -m randattn.calibrate "
@@ -213,12 +249,20 @@ def runs_for(arm: Arm, runs: int, temperature: float) -> int:
     return 1 if temperature == 0 and (arm.policy == FULL or arm.policy in SEED_FREE) else runs
 
 
-def graded_row(task, prob, arm: Arm, run: int, seed: int, out: dict) -> dict:
+def graded_row(task, prob, arm: Arm, run: int, seed: int, out: dict, protocol: Optional[str] = None) -> dict:
     """The result row of one generation (``out``, from :func:`generate_batch`): keys, output, grade."""
     g = task.grade(out["output"], prob)
     return {"task": task.name, "problem": prob.id, "run": run, "policy": arm.policy, "budget": arm.budget,
             "protect_prompt": arm.protect, "compression": arm.compression, "seed": seed, **out,
-            "compressed": out["events"] > 0, "grade": g.score, "extracted": g.extracted, "answer": prob.answer}
+            "compressed": out["events"] > 0, "grade": g.score, "extracted": g.extracted, "answer": prob.answer,
+            **({"tests": g.details} if g.details is not None else {}), "protocol": protocol, "versions": versions()}
+
+
+def versions() -> dict:
+    """The package versions a row was measured with (informational: a resume does not compare them)."""
+    import transformers
+
+    return {"randattn": randattn.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple]:
@@ -250,7 +294,7 @@ def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p
         except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
             bar.close()
             p.error(f"--policy {arm.policy} (K={arm.budget}, protect_prompt={arm.protect}): {exc}")
-        rows = [graded_row(task, problems[i], arm, run, seed, o) for i, o in zip(idx, outs)]
+        rows = [graded_row(task, problems[i], arm, run, seed, o, args.protocol) for i, o in zip(idx, outs)]
         score[arm.label] += [r["grade"] for r in rows]
         rf.append(rows)
         bar.update(len(idx))
@@ -273,11 +317,11 @@ def arm_of(row: dict) -> Arm:
     return Arm(row["policy"], row["budget"], row["protect_prompt"])
 
 
-def grades_by_arm(rows: list[dict]) -> dict[Arm, dict[str, list[float]]]:
-    """``{arm: {problem: [grade per run]}}``."""
+def grades_by_arm(rows: list[dict], field: str = "grade") -> dict[Arm, dict[str, list[float]]]:
+    """``{arm: {problem: [grade (or another field) per run]}}``."""
     out: dict = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        out[arm_of(r)][r["problem"]].append(r["grade"])
+        out[arm_of(r)][r["problem"]].append(r[field])
     return {a: dict(g) for a, g in out.items()}
 
 
@@ -285,6 +329,7 @@ def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> 
     """One line per arm: accuracy with CI, lengths, termination, rounds, uncompressed rows, and the paired
     comparison with Random at the same K and protection (or protected Random when that is all there is)."""
     grades = grades_by_arm(rows)
+    lengths = grades_by_arm(rows, "gen_len")
     by_arm = defaultdict(list)
     for r in rows:
         by_arm[arm_of(r)].append(r)
@@ -308,6 +353,10 @@ def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> 
             line.update({"vs": ref.label + ("" if arm.policy != FULL else f" K={ref.budget}"),
                          **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins,
                          "losses": c.sign.losses, "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict})
+            # The paper checks that parity is not bought with longer reasoning: generation length, paired the same way.
+            n = paired_comparison(lengths[arm], lengths[ref], n_resamples=n_resamples, seed=seed)
+            line.update({**n.delta.as_dict("len_delta"), "len_p_sign": n.sign.p,
+                         "len_verdict": {"better": "longer", "worse": "shorter"}.get(n.verdict, n.verdict)})
         table.append(line)
     return table
 
@@ -353,16 +402,25 @@ def warn_uncompressed(table: list[dict]) -> Optional[str]:
             f"--max-new-tokens, or drop them.\n{bar}")
 
 
-def print_summary(table: list[dict], gains: list[dict]) -> None:
+def print_summary(table: list[dict], gains: list[dict], protocol: Optional[str] = None) -> None:
+    if protocol:
+        print(f"\nprotocol {protocol}: " + {
+            "protected": "every policy with the prompt protected",
+            "score-only": "every policy score only (the prompt competes)",
+            "matched": "every policy score only and protected (the paper's Table 2)",
+            "grid": "each baseline in its native mode against protected Random (the paper's main grid)"}[protocol])
     print(f"\n{'method':<28} {'K':>5} {'n':>4} {'accuracy [95% CI]':<22} {'vs random [95% CI]':<24} {'p_boot':>6} "
-          f"{'sign W/L/T':>10} {'p_sign':>6} {'verdict':<17} {'len':>6} {'EOS':>5} {'rounds':>6}")
+          f"{'sign W/L/T':>10} {'p_sign':>6} {'verdict':<17} {'len':>6} {'len vs random [95% CI]':<26} {'EOS':>5} "
+          f"{'rounds':>6}")
     for t in table:
         cmp = (f"{t['delta']:+.3f} [{t['delta_lo']:+.3f}, {t['delta_hi']:+.3f}]", f"{t['p_bootstrap']:.3f}",
                f"{t['wins']}/{t['losses']}/{t['ties']}", f"{t['p_sign']:.3f}", t["verdict"]) if "delta" in t \
             else ("(reference)" if t["policy"] == "random" else "", "", "", "", "")
+        length = (f"{t['len_delta']:+.1f} [{t['len_delta_lo']:+.1f}, {t['len_delta_hi']:+.1f}]" if "len_delta" in t
+                  else "")
         print(f"{t['method']:<28} {t['budget'] or '-':>5} {t['problems']:>4} {t['accuracy']:.3f} [{t['accuracy_lo']:.3f}, "
               f"{t['accuracy_hi']:.3f}]   {cmp[0]:<24} {cmp[1]:>6} {cmp[2]:>10} {cmp[3]:>6} {cmp[4]:<17} "
-              f"{t['gen_len']:>6.1f} {t['terminated']:>5.2f} {t['events']:>6.1f}")
+              f"{t['gen_len']:>6.1f} {length:<26} {t['terminated']:>5.2f} {t['events']:>6.1f}")
     for g in gains:
         print(f"prompt protection gain, {g['policy']} K={g['budget']}: {g['gain']:+.3f} [{g['gain_lo']:+.3f}, "
               f"{g['gain_hi']:+.3f}], p_boot {g['p_bootstrap']:.3f}, p_sign {g['p_sign']:.3f}: {g['verdict']}")
@@ -382,6 +440,21 @@ def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[di
             path.write_text(comparison_table(results, reference="random", fmt=fmt))
             paths[fmt] = path
     return paths
+
+
+def protocol_arms(protocol: str, policies: list[str], budgets, compression: Optional[dict] = None) -> list[Arm]:
+    """The arms a protocol runs at each budget (``compression``: ``{K: c}`` of a sweep)."""
+    def modes(pol):
+        if protocol == "protected":
+            return [True]
+        if protocol == "score-only":
+            return [False]
+        if protocol == "matched":
+            return [True, False]
+        return [GRID_PROTECTION.get(pol, True)]  # grid: native mode; a user's own selector runs protected
+
+    return [Arm(pol, k, protect, (compression or {}).get(k)) for k in budgets for pol in policies
+            for protect in modes(pol)]
 
 
 def check_prompt_fits(p: argparse.ArgumentParser, arms: list[Arm], longest: int, buffer: int) -> None:
@@ -414,7 +487,9 @@ def repo_relative(path: Optional[str]) -> Optional[str]:
 
 def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -> dict:
     """The configuration stored in every row of a result file (a resumed run must match it)."""
-    return {"probe": "accuracy", "engine": randattn.ENGINE, "model": model_name, "task": task, "buffer": args.buffer,
+    return {"probe": "accuracy", "engine": randattn.ENGINE, "recent": args.buffer,
+            "budget_accounting": "T = pairs per head right after a round, the newest r included",
+            "model": model_name, "task": task, "buffer": args.buffer,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "seed": args.seed, "batch": args.batch, "thinking": thinking, "data": repo_relative(args.data),
             "stats": stats, "policy_options": args.options, "revision": git_revision()}
@@ -426,6 +501,8 @@ def main(argv=None, loaded=None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     task = get_task(args.task)
+    if args.protocol == "grid" and args.runs_given is None:
+        args.runs = task.paper_runs or args.runs
     args.buffer = args.buffer or task.buffer
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     budgets = args.budget or [task.budget]
@@ -436,8 +513,10 @@ def main(argv=None, loaded=None) -> int:
         p.error(str(exc))
     model, tok = loaded or randattn.load_model(args.model, device=args.device)
     model_name = args.model or randattn.DEFAULT_MODEL
+    if args.protocol == "grid" and not args.sampling_given:
+        args.temperature, args.top_p = model_card_sampling(model)
     stats = args.stats or (randattn.DEFAULT_MODEL if args.model is None else None)
-    prompts = [chat_ids(tok, prob.prompt) for prob in problems]
+    prompts = [problem_ids(tok, prob) for prob in problems]
     longest = max(len(x) for x in prompts)
     config = results_config(model_name, task.name, args, thinking=has_thinking_mode(tok), stats=stats)
     out = Path(args.out) if args.out else default_out(model_name, task.name, args)
@@ -449,11 +528,11 @@ def main(argv=None, loaded=None) -> int:
     print(f"model {model_name} | task {task.name}: {len(problems)} problems, prompts {min(map(len, prompts))}-{longest} "
           f"tokens{', thinking mode' if config['thinking'] else ''} | r={args.buffer}, max {args.max_new_tokens} new "
           f"tokens, {'greedy' if args.temperature == 0 else f'T={args.temperature}, top-p {args.top_p}'}, "
-          f"{args.runs} runs | prompt {'protected' if args.protect_prompt else 'unprotected (score only)'}"
+          f"{args.runs} runs | protocol {args.protocol}"
           + (f" | policy options {args.options}" if args.options else ""))
     policies = [x for x in args.policy if x != FULL]
     if args.compression is None:
-        arms = [Arm(pol, k, args.protect_prompt) for k in dict.fromkeys(budgets) for pol in policies]
+        arms = protocol_arms(args.protocol, policies, dict.fromkeys(budgets))
         check_prompt_fits(p, arms, longest, args.buffer)
     if args.compression is not None or FULL in args.policy:
         run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], args, p, stats)
@@ -462,13 +541,13 @@ def main(argv=None, loaded=None) -> int:
         print(f"full attention: mean generation length {mean_len:.1f} tokens -> "
               + ", ".join(f"{c:g}x: K={k}" for c, k in budgets.items()))
         firsts = {k: c for c, k in reversed(list(budgets.items()))}  # two factors rounding to one K run once
-        arms = [Arm(pol, k, args.protect_prompt, c) for k, c in sorted(firsts.items(), reverse=True) for pol in policies]
+        arms = protocol_arms(args.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
         check_prompt_fits(p, arms, longest, args.buffer)
     run_arms(rf, model, tok, task, problems, prompts, arms, args, p, stats)
     rows = [r for r in rf.rows if r["problem"] in ids and r["run"] < args.runs]
     table = summarize(rows, seed=args.seed)
     gains = protection_gains(rows, seed=args.seed)
-    print_summary(table, gains)
+    print_summary(table, gains, args.protocol)
     results = table_results(rows, task.name)
     if any(m == "random" for m, _ in results):
         print("\n" + comparison_table(results, reference="random", seed=args.seed)

@@ -32,7 +32,7 @@ from .passcode import FACT, INSTRUCTION, QUERY, compare, passcode_distance
 from .planted import Condition, InstanceBuilder, fact_metrics, model_shape, run_batch
 from .planted_run import DEFAULT_TRACES, Session, write_csv
 from .results import REPO_ROOT, ResultsFile, check_ours, git_revision
-from .tasks import Problem, TaskDataError, chat_ids, get_task, has_thinking_mode, load_problems
+from .tasks import Problem, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
 
 @dataclass
@@ -97,7 +97,7 @@ def plan_accuracy(spec: Spec, models: dict) -> Plan:
     policies = [p for p in spec.policies if p != acc.FULL]
     for model in spec.models:
         tok, _ = models[model]
-        prompts = [chat_ids(tok, prob.prompt) for prob in problems]
+        prompts = [problem_ids(tok, prob) for prob in problems]
         longest = max(map(len, prompts))
         stats = spec.stats or (randattn.DEFAULT_MODEL if embedded_name(model) else None)
         if "triattention" in policies and stats is None:

@@ -31,7 +31,7 @@ def pooling_conditions(n_heads: int, width: int, *, max_all_subsets: int = 8) ->
     else:
         chosen = [()] + [c for k in (1, 2) for c in itertools.combinations(range(n_heads), k)] + [tuple(range(n_heads))]
     conds = [Condition.heads(subset_label(h, n_heads), h, width, heads=list(h)) for h in chosen]
-    return conds + [Condition.policy("policy", heads=None)]
+    return conds + [Condition.policy("policy", heads=None), Condition.full("full", heads=None)]
 
 
 def chain_conditions(order: list[int], n_heads: int, width: int) -> list[Condition]:

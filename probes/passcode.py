@@ -30,7 +30,8 @@ from .planted_run import PAPER, describe, lp_table, planted_parser, run_conditio
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
 INSTRUCTION = "Solve the problems below step by step."
-POLICIES = ["random", "random-shared", "recency", "streamingllm", "h2o", "snapkv", "rkv", "vase", "triattention"]
+POLICIES = ["random", "random-shared", "recency", "streamingllm", "h2o", "snapkv", "rkv", "rkv-official", "vase",
+            "triattention"]
 
 
 def passcode_distance(rounds: int, buffer: int, box_width: int) -> int:

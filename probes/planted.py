@@ -236,12 +236,19 @@ class Condition:
     keep: tuple
     layers: Optional[tuple[int, ...]] = None
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    full_cache: bool = False  # no eviction at all: the full cache, Recall R's other top endpoint
 
     @classmethod
     def heads(cls, name: str, kv_heads, width: int, n_facts: int = 1, *, layers=None, **meta) -> "Condition":
         """Every token of every box kept in ``kv_heads`` (empty: deleted; all heads: kept everywhere)."""
         spec = tuple(frozenset(kv_heads) for _ in range(width))
         return cls(name, (spec,) * n_facts, layers, meta)
+
+    @classmethod
+    def full(cls, name: str = "full", n_facts: int = 1, **meta) -> "Condition":
+        """No eviction at all (the whole sequence through a cache too large to evict): the full-cache top of
+        Recall R, beside ``all`` (the fact kept everywhere, the background evicted), the paper code's top."""
+        return cls(name, (None,) * n_facts, None, meta, full_cache=True)
 
     @classmethod
     def policy(cls, name: str = "policy", n_facts: int = 1, **meta) -> "Condition":
@@ -332,6 +339,13 @@ def run_batch(model, instances: Sequence[Instance], conditions: Sequence[Conditi
     base.run(until=first.facts[0].box_start)
     before = base.cache.events[0] if base.cache.layers else 0
     for cond in conditions:
+        if cond.full_cache:
+            full = randattn.EvictingCache("random", budget=ids.shape[1] + 1, buffer=1, protect_prompt=False,
+                                          keep_log=audit)
+            branch = randattn.Replay(model, ids, full, prompt_len=first.prompt_len,
+                                     score_from=first.facts[0].answer_start).run()
+            yield cond, branch.result(), branch.cache, 0
+            continue
         branch = base.fork()
         cond.apply(branch.cache, first.facts, n_heads, n_layers)
         branch.run(until=first.facts[0].answer_start)

@@ -252,13 +252,16 @@ class ConditionSummary:
     condition: str
     n: int
     retrieval: Estimate
-    recall: Optional[Estimate]
+    recall: Optional[Estimate]  # vs the fact kept everywhere (the paper's code)
     mean_lp: float
+    recall_full: Optional[Estimate] = None  # vs the full cache (no eviction at all), when the run has it
 
     def as_row(self) -> dict:
         row = {"condition": self.condition, "n": self.n, **self.retrieval.as_dict("retrieval"), "mean_lp": self.mean_lp}
         if self.recall is not None:
             row.update(self.recall.as_dict("recall"))
+        if self.recall_full is not None:
+            row.update(self.recall_full.as_dict("recall_full"))
         return row
 
 
@@ -266,6 +269,16 @@ def summarize(rows: Sequence[dict], names: Sequence[str], *, fact: Optional[int]
               deleted: str = "deleted", kept: str = "all") -> dict[str, ConditionSummary]:
     """Retrieval and Recall R (vs ``deleted`` and ``kept``) with bootstrap CIs, paired by instance."""
     table = lp_table(rows, fact)
+
+    def recall_vs(cell, inst, top):
+        if deleted not in table or top not in table:
+            return None
+        paired = [i for i in inst if i in table[deleted] and i in table[top]]
+        if not paired:
+            return None
+        return recall_ci([cell[i][0] for i in paired], [table[deleted][i][0] for i in paired],
+                         [table[top][i][0] for i in paired], seed=seed)
+
     out = {}
     for name in names:
         cell = table.get(name, {})
@@ -273,13 +286,8 @@ def summarize(rows: Sequence[dict], names: Sequence[str], *, fact: Optional[int]
         if not inst:
             continue
         ok = [cell[i][1] for i in inst]
-        rec = None
-        if deleted in table and kept in table:
-            paired = [i for i in inst if i in table[deleted] and i in table[kept]]
-            if paired:
-                rec = recall_ci([cell[i][0] for i in paired], [table[deleted][i][0] for i in paired],
-                                [table[kept][i][0] for i in paired], seed=seed)
-        out[name] = ConditionSummary(name, len(inst), mean_ci(ok, seed=seed), rec, float(np.mean([cell[i][0] for i in inst])))
+        out[name] = ConditionSummary(name, len(inst), mean_ci(ok, seed=seed), recall_vs(cell, inst, kept),
+                                     float(np.mean([cell[i][0] for i in inst])), recall_vs(cell, inst, "full"))
     return out
 
 
@@ -304,10 +312,17 @@ def endpoint_check(rows: Sequence[dict], *, fact: Optional[int] = 0, seed: int =
 def print_table(summaries: dict[str, ConditionSummary], labels: Optional[dict] = None) -> None:
     labels = labels or {}
     width = max([len(labels.get(n, n)) for n in summaries] + [9])
-    print(f"{'condition':<{width}}  {'n':>4}  {'retrieval [95% CI]':<22}  {'recall R [95% CI]':<24}  {'mean LP':>8}")
+    full = any(s.recall_full is not None for s in summaries.values())
+    print(f"{'condition':<{width}}  {'n':>4}  {'retrieval [95% CI]':<22}  {'recall R [95% CI]':<24}  "
+          + (f"{'R vs full cache':<24}  " if full else "") + f"{'mean LP':>8}")
     for name, s in summaries.items():
         rec = f"{s.recall:.3f}" if s.recall is not None else "-"
-        print(f"{labels.get(name, name):<{width}}  {s.n:>4}  {s.retrieval:.3f}  {rec:<24}  {s.mean_lp:8.2f}")
+        rec_full = (f"{s.recall_full:.3f}" if s.recall_full is not None else "-") if full else None
+        print(f"{labels.get(name, name):<{width}}  {s.n:>4}  {s.retrieval:.3f}  {rec:<24}  "
+              + (f"{rec_full:<24}  " if full else "") + f"{s.mean_lp:8.2f}")
+    if full:
+        print("recall R divides by the fact kept in every head (the paper's code, analyze_probe.py); 'R vs full "
+              "cache' by no eviction at all")
 
 
 def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:

@@ -35,7 +35,8 @@ def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
     if n_heads < 3:
         raise ValueError(f"scattering over rotating pairs needs >= 3 KV heads; this model has {n_heads}")
     conds = [Condition.heads("deleted", [], width, kind="endpoint"), Condition.heads("all", range(n_heads), width,
-                                                                                    kind="endpoint")]
+                                                                                    kind="endpoint"),
+             Condition.full("full", kind="endpoint")]
     for phase in range(n_heads):
         spread = tuple(frozenset({(t + phase) % n_heads, (t + phase + 1) % n_heads}) for t in range(width))
         conds.append(Condition(f"scattered p{phase}", (spread,), meta={"kind": "scattered", "phase": phase}))

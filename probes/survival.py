@@ -288,6 +288,16 @@ def random_table(p: Pooled, n_heads: int) -> list[str]:
 
 
 # -- main ----------------------------------------------------------------------------------------
+def modes_of(policy: str, modes: Sequence[str]) -> list[str]:
+    """The asked-for modes a policy can run in: a paper mode name, or a policy defined with a protection mode
+    (``random-pcap`` protects part of the prompt itself), runs in that mode only."""
+    if policy in randattn.PAPER_MODES:
+        native = randattn.PAPER_MODES[policy][2]
+    else:
+        native = None if policy == "triattention" else randattn.make_policy(policy).native_protection
+    return [m for m in modes if native is None or MODES[m] == native]
+
+
 def _policy_options(policy: str, args, parser: argparse.ArgumentParser) -> dict:
     if policy != "triattention":
         return {}
@@ -325,7 +335,8 @@ def main(argv=None) -> int:
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     length = args.budget + args.rounds * args.buffer
     # A protected prompt needs a free slot; score-only prompts just have to leave room for generated text.
-    max_prompt = args.budget if "protected" in modes else args.budget + args.buffer
+    # (beside the recent window of r, which the protected prompt cannot use)
+    max_prompt = args.budget - args.buffer if "protected" in modes else args.budget + args.buffer
     try:
         chats = build_chats(tok, rows, args.sequences, length, args.seed, max_prompt)
     except ValueError as exc:
@@ -353,7 +364,7 @@ def main(argv=None) -> int:
           f"{len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), {args.rounds} rounds "
           f"per layer | Random per-round survival: "
           + "; ".join(f"{m} {'/'.join(map(str, v))}" for m, v in qs.items()))
-    jobs = [(pol, mode, bi, batch) for pol in policies for mode in modes for bi, batch in enumerate(groups)]
+    jobs = [(pol, mode, bi, batch) for pol in policies for mode in modes_of(pol, modes) for bi, batch in enumerate(groups)]
     todo = [j for j in jobs if any((j[0], j[1], c.index) not in results.done for c in j[3])]
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="survival", unit="run")
     t0 = time.perf_counter()
@@ -366,7 +377,7 @@ def main(argv=None) -> int:
         results.append([r for r in new if (pol, mode, r["sequence"]) not in results.done])
         bar.update(1)
     bar.close()
-    wanted = {(pol, mode) for pol in policies for mode in modes}
+    wanted = {(pol, mode) for pol in policies for mode in modes_of(pol, modes)}
     mine = [r for r in results.rows if (r["policy"], r["mode"]) in wanted]
     pooled = pool(mine)
     n_mid = max(1, args.rounds // 2)

@@ -6,15 +6,16 @@
 name          kind    K     max    data
 ============  ======  ====  =====  ==========================================================
 math500       math    1024  32768  HF ``HuggingFaceH4/MATH-500`` (test) or ``--data``
-aime          math    4096  32768  HF ``MathArena/aime_2025`` (train) or ``--data``
-hmmt          math    4096  32768  HF ``MathArena/hmmt_feb_2025`` (train) or ``--data``
+aime          math    4096  32768  HF ``MathArena/aime_2025`` + ``aime_2026`` (pooled) or ``--data``
+hmmt          math    4096  32768  HF ``MathArena/hmmt_feb_2025`` + ``hmmt_nov_2025`` or ``--data``
 gpqa_diamond  choice  2048  32768  HF ``Idavidrein/gpqa``, ``gpqa_diamond`` (gated) or ``--data``
+livecodebench code    3072  32768  HF ``livecodebench/code_generation_lite`` v6 (medium) or ``--data``
 copy          copy    256   192    written here (no download): the embedded model's task
+repeat        repeat  320   1280   written here: the embedded model's task in the paper's regime
 ============  ======  ====  =====  ==========================================================
 
-K is the paper's per-task budget (MATH500 1024, GPQA-Diamond 2048, AIME/HMMT 4096; buffer
-r = 64) and 32k its maximum generation. LiveCodeBench (the paper's code task, K = 3072) may come
-later; it needs a sandboxed code runner, which this project does not have yet.
+K is the paper's per-task budget (MATH500 1024, GPQA-Diamond 2048, AIME/HMMT 4096, LiveCodeBench
+3072; buffer r = 64) and 32k its maximum generation.
 
 Graders:
 
@@ -25,6 +26,10 @@ Graders:
 - **choice** (GPQA-Diamond): the four options are shuffled deterministically per problem id
   (``random.Random("gpqa:" + id)``), presented as ``A) .. D)``; the graded letter is the last
   ``Answer: X``, ``\\boxed{X}`` or ``answer is (X)`` in the output.
+- **code** (LiveCodeBench): the last fenced program of the output is run against every test in a sandboxed
+  subprocess (:mod:`probes.code_grader`: wall-clock, CPU and memory limits, no network, writes only in its
+  temporary folder); 1 when every test passes, with the per-test verdicts in the row.
+- **repeat**: the last complete line written, scored as the fraction of the line's numbers in place.
 - **copy**: the fraction of the ``n`` reference numbers the output reproduces in order (the first
   ``n`` four-digit numbers found; anything after is ignored, since the model keeps writing).
 
@@ -58,7 +63,8 @@ from typing import Callable, Optional
 
 __all__ = ["Problem", "Grade", "Task", "TASKS", "TaskDataError", "get_task", "load_problems", "last_boxed",
            "math_equal", "grade_math", "choice_letter", "grade_choice", "shuffle_choices", "copy_numbers",
-           "grade_copy", "copy_problem", "chat_ids", "has_thinking_mode"]
+           "grade_copy", "copy_problem", "repeat_problem", "grade_repeat", "chat_ids", "problem_ids",
+           "has_thinking_mode"]
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CHOICE_INSTRUCTION = ("Answer the following multiple choice question. Think step by step, then end your response "
@@ -80,6 +86,9 @@ class Problem:
     prompt: str
     answer: str
     kind: str
+    prefix: str = ""  # the start of the assistant's answer, part of the prompt (the repeat task's first line)
+    system: Optional[str] = None  # a system message ("" for none where the template would add its own)
+    data: Optional[dict] = field(default=None, compare=False, repr=False)  # what a grader needs beyond the answer
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class Grade:
 
     score: float
     extracted: Optional[str]
+    details: Optional[list] = None  # per-item verdicts (the code grader's per-test results), written into the row
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,7 @@ class HFSource:
     path: str
     split: str
     name: Optional[str] = None
+    tag: Optional[str] = None  # prefixed to problem ids when a task pools several sources ("2025", "feb")
 
 
 @dataclass(frozen=True)
@@ -104,15 +115,17 @@ class Task:
     """A task: how to get its problems, its paper defaults, and its grader."""
 
     name: str
-    kind: str  # "math", "choice" or "copy"
+    kind: str  # "math", "choice", "copy" or "repeat"
     budget: int  # default K
     max_new_tokens: int
     grade: Callable[[str, Problem], Grade]
     buffer: int = 64  # default r
-    hf: Optional[HFSource] = None
+    hf: "HFSource | tuple[HFSource, ...] | None" = None
     description: str = ""
     policy_options: dict = field(default_factory=dict)  # {policy: {option: value}} this task's geometry needs
     problems: Optional[int] = None  # how many problems by default (None: all)
+    paper_runs: Optional[int] = None  # the paper's runs per problem (scripts/run_cell.sh), for --protocol grid
+    select: Optional[Callable[[dict], bool]] = None  # which source rows belong to the task (LiveCodeBench: medium)
 
 
 # -- math ---------------------------------------------------------------------------------------
@@ -221,20 +234,122 @@ def grade_copy(text: str, problem: Problem) -> Grade:
     return Grade(sum(a == b for a, b in zip(got, ref)) / len(ref), ", ".join(got))
 
 
+# -- code (LiveCodeBench) --------------------------------------------------------------------------------
+CODE_INSTRUCTION = ("Write a correct Python 3 program for the problem below; it will be run against hidden tests. "
+                    "Give the complete program in one fenced block: ```python ... ```.")
+CODE_STDIN = "The program reads the input from standard input and prints the answer to standard output."
+CODE_FUNCTIONAL = "Complete this starter code (a class Solution whose method is called with the test's arguments):"
+
+
+def _decode_tests(value) -> list[dict]:
+    """LiveCodeBench test lists: a list, a JSON string, or (private tests) base64 of zlib of a pickled JSON string."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, list):
+        return value
+    text = str(value)
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    import base64
+    import pickle
+    import zlib
+
+    return json.loads(pickle.loads(zlib.decompress(base64.b64decode(text.encode()))))
+
+
+def code_problem(row: dict, index: int) -> Problem:
+    """A LiveCodeBench row (``question_content``, ``starter_code``, ``public_test_cases``, ``private_test_cases``,
+    ``metadata`` with ``func_name``) as a problem: the prompt, and the tests for the grader."""
+    pid = str(_first(row, "question_id", "id") or index)
+    text = _first(row, "question_content", "question", "problem")
+    tests = _decode_tests(row.get("public_test_cases")) + _decode_tests(row.get("private_test_cases"))
+    if text is None or not tests:
+        raise TaskDataError(f"livecodebench row {index}: needs 'question_content' and test cases "
+                            f"('public_test_cases' / 'private_test_cases'), got {sorted(row)}")
+    meta = row.get("metadata") or {}
+    meta = json.loads(meta) if isinstance(meta, str) and meta.strip() else (meta if isinstance(meta, dict) else {})
+    starter = (row.get("starter_code") or "").strip()
+    how = f"{CODE_FUNCTIONAL}\n```python\n{starter}\n```" if starter else CODE_STDIN
+    prompt = f"{CODE_INSTRUCTION}\n\n{str(text).strip()}\n\n{how}"
+    return Problem(pid, prompt, f"{len(tests)} tests", "code", data={"tests": tests, "fn_name": meta.get("func_name")})
+
+
+def grade_code(text: str, problem: Problem) -> Grade:
+    """1 when the last fenced program in the output passes every test (pass@1), else 0; the per-test verdicts
+    (``pass``, ``wrong_answer``, ``error``, ``timeout``) up to the first failure go into the row."""
+    from .code_grader import extract_program, run_tests
+
+    program = extract_program(text)
+    if program is None:
+        return Grade(0.0, None, [])
+    results = run_tests(program, problem.data["tests"], fn_name=problem.data.get("fn_name"))
+    passed = all(r.verdict == "pass" for r in results) and len(results) == len(problem.data["tests"])
+    summary = f"{sum(r.verdict == 'pass' for r in results)}/{len(problem.data['tests'])} pass" + (
+        "" if passed else f"; test {len(results)}: {results[-1].verdict} {results[-1].detail}")
+    return Grade(float(passed), summary[:300], [r.as_dict() for r in results])
+
+
+# -- repeat (the embedded model's task in the paper's regime) ----------------------------------------
+REPEAT_N = 4  # numbers per line
+REPEAT_LINES = 64
+REPEAT_TEMPLATE = "Copy this line {lines} times: {line}"
+_LABELLED = re.compile(r"^\s*\d+\.\s*(.*)$")
+
+
+def repeat_problem(i: int, n: int = REPEAT_N) -> Problem:
+    """Problem ``i`` of the repeat task: a line of ``n`` random four-digit numbers to copy line after line; the
+    answer's first line is part of the prompt, and no system message (a short prompt, as the paper's tasks)."""
+    rng = random.Random(f"repeat:{i}")
+    line = " ".join(str(rng.randrange(1000, 10000)) for _ in range(n))
+    return Problem(f"repeat-{i}", REPEAT_TEMPLATE.format(lines=REPEAT_LINES, line=line), line, "repeat",
+                   prefix=f"1. {line}\n2.", system="")
+
+
+def grade_repeat(text: str, problem: Problem) -> Grade:
+    """The last *complete* line the output wrote (one followed by a newline; the generation is cut off inside
+    the last one): the fraction of the reference numbers it has at their place. Every earlier copy restates the
+    line, so the last one can be copied from any of them; a model that lost the line writes a wrong one."""
+    ref = problem.answer.split()
+    complete = ("2." + text).split("\n")[:-1]
+    if not complete:
+        return Grade(0.0, None)
+    last = complete[-1]
+    m = _LABELLED.match(last)
+    got = _FOUR_DIGITS.findall(m.group(1) if m else last)
+    return Grade(sum(a == b for a, b in zip(got, ref)) / len(ref), last.strip())
+
+
 # -- the registry ---------------------------------------------------------------------------------
 TASKS: dict[str, Task] = {
     "math500": Task("math500", "math", 1024, 32768, grade_math, hf=HFSource("HuggingFaceH4/MATH-500", "test"),
-                    description="MATH500 (500 competition problems), boxed answer graded by math-verify"),
-    "aime": Task("aime", "math", 4096, 32768, grade_math, hf=HFSource("MathArena/aime_2025", "train"),
-                 description="AIME 2025 (30 problems, integer answers), boxed answer graded by math-verify"),
-    "hmmt": Task("hmmt", "math", 4096, 32768, grade_math, hf=HFSource("MathArena/hmmt_feb_2025", "train"),
-                 description="HMMT February 2025 (30 problems), boxed answer graded by math-verify"),
+                    description="MATH500 (500 competition problems), boxed answer graded by math-verify", paper_runs=2),
+    "aime": Task("aime", "math", 4096, 32768, grade_math,
+                 hf=(HFSource("MathArena/aime_2025", "train", tag="2025"), HFSource("MathArena/aime_2026", "train",
+                                                                                     tag="2026")),
+                 description="AIME 2025 + 2026 pooled, as the paper reports them (60 problems, integer answers; "
+                             "ids per year, so runs cluster per problem), boxed answer graded by math-verify",
+                 paper_runs=16),
+    "hmmt": Task("hmmt", "math", 4096, 32768, grade_math,
+                 hf=(HFSource("MathArena/hmmt_feb_2025", "train", tag="feb2025"),
+                     HFSource("MathArena/hmmt_nov_2025", "train", tag="nov2025")),
+                 description="HMMT February + November 2025 pooled, as the paper reports them, boxed answer graded by "
+                             "math-verify", paper_runs=16),
     "gpqa_diamond": Task("gpqa_diamond", "choice", 2048, 32768, grade_choice,
                          hf=HFSource("Idavidrein/gpqa", "train", "gpqa_diamond"),
-                         description="GPQA-Diamond (198 questions), options shuffled per problem, letter graded"),
+                         description="GPQA-Diamond (198 questions), options shuffled per problem, letter graded",
+                         paper_runs=4),
+    "livecodebench": Task("livecodebench", "code", 3072, 32768, grade_code,
+                          hf=HFSource("livecodebench/code_generation_lite", "test", "release_v6"),
+                          description="LiveCodeBench v6, medium problems, programs run against the tests in a "
+                                      "sandboxed subprocess (probes/code_grader.py), pass@1", paper_runs=4,
+                          select=lambda row: str(row.get("difficulty", "medium")).lower() == "medium"),
     "copy": Task("copy", "copy", 256, 6 * COPY_N + 24, grade_copy, buffer=16,
                  description=f"repeat a list of {COPY_N} random four-digit numbers from the prompt (embedded model)",
                  policy_options={"h2o": {"recent_fraction": 0.08}}, problems=32),
+    "repeat": Task("repeat", "repeat", 320, 1280, grade_repeat, buffer=8,
+                   description=f"copy a line of {REPEAT_N} four-digit numbers line after line (embedded model): a "
+                               "short prompt and a long answer that restates what it needs, the paper's regime",
+                   problems=8),
 }
 
 
@@ -255,6 +370,8 @@ def _first(row: dict, *names):
 
 def problem_from_row(task: Task, row: dict, index: int) -> Problem:
     """Build a :class:`Problem` from one record (``--data`` JSONL or an HF dataset row)."""
+    if task.kind == "code":
+        return code_problem(row, index)
     pid = str(_first(row, "id", "unique_id", "problem_idx", "Record ID") or index)
     if task.kind == "math":
         text, answer = _first(row, "problem", "question", "Problem"), _first(row, "answer", "Answer")
@@ -288,8 +405,19 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _hf_rows(task: Task) -> list[dict]:
-    """The task's rows from the HF hub; any failure becomes a :class:`TaskDataError` naming ``--data``."""
-    src = task.hf
+    """The task's rows from the HF hub (every source of a pooled task, ids tagged by source); any failure becomes a
+    :class:`TaskDataError` naming ``--data``."""
+    sources = task.hf if isinstance(task.hf, tuple) else (task.hf,)
+    rows = []
+    for src in sources:
+        for i, r in enumerate(_hf_source_rows(task, src)):
+            if src.tag is not None:
+                r = {**r, "id": f"{src.tag}/{_first(r, 'id', 'unique_id', 'problem_idx', 'Record ID') or i}"}
+            rows.append(r)
+    return rows
+
+
+def _hf_source_rows(task: Task, src: HFSource) -> list[dict]:
     where = f"HF dataset {src.path}" + (f" ({src.name})" if src.name else "") + f", split {src.split}"
     alternative = ("pass --data FILE.jsonl instead (one JSON object per line; fields: "
                    + ("'problem' and 'answer'" if task.kind == "math" else "'question', 'correct', 'incorrect'")
@@ -310,11 +438,17 @@ def _hf_rows(task: Task) -> list[dict]:
 def load_problems(task: Task, data: "str | Path | None" = None, limit: Optional[int] = None) -> list[Problem]:
     """The task's problems (the first ``limit``): generated for ``copy``, from ``data`` (JSONL) when given,
     else from the HF hub. Errors name both data options."""
-    if task.kind == "copy":
+    if task.kind in ("copy", "repeat"):
         if data is not None:
-            raise TaskDataError("--task copy generates its own problems; drop --data")
-        return [copy_problem(i) for i in range(limit or task.problems)]
+            raise TaskDataError(f"--task {task.name} generates its own problems; drop --data")
+        make = copy_problem if task.kind == "copy" else repeat_problem
+        return [make(i) for i in range(limit or task.problems)]
     rows = _read_jsonl(Path(data)) if data is not None else _hf_rows(task)
+    if task.select is not None:
+        rows = [r for r in rows if task.select(r)]
+        if not rows:
+            raise TaskDataError(f"--task {task.name}: no rows of the task's kind (e.g. LiveCodeBench 'difficulty': "
+                                "'medium') in the data")
     problems = [problem_from_row(task, r, i) for i, r in enumerate(rows)]
     ids = [p.id for p in problems]
     if len(set(ids)) != len(ids):
@@ -328,12 +462,19 @@ def has_thinking_mode(tok) -> bool:
     return "enable_thinking" in str(getattr(tok, "chat_template", "") or "")
 
 
-def chat_ids(tok, text: str) -> list[int]:
+def chat_ids(tok, text: str, *, prefix: str = "", system: Optional[str] = None) -> list[int]:
     """Token ids of ``text`` as one user turn under the model's chat template, generation prompt added,
-    thinking mode on where the template has one."""
+    thinking mode on where the template has one; ``system`` as the system message when given, and ``prefix``
+    (the start of the answer) appended."""
     extra = {"enable_thinking": True} if has_thinking_mode(tok) else {}
+    tail = list(tok(prefix, add_special_tokens=False)["input_ids"]) if prefix else []
     if not getattr(tok, "chat_template", None):
-        return list(tok(text)["input_ids"])
-    out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=True, **extra)
-    return list(out["input_ids"])
+        return list(tok(text)["input_ids"]) + tail
+    msgs = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+    out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True, **extra)
+    return list(out["input_ids"]) + tail
+
+
+def problem_ids(tok, problem: Problem) -> list[int]:
+    """The prompt token ids of ``problem`` (its user message, system message and answer prefix)."""
+    return chat_ids(tok, problem.prompt, prefix=problem.prefix, system=problem.system)

@@ -29,7 +29,8 @@ from .planted_run import (describe, endpoint_check, lp_table, parity_check, plan
 def two_fact_conditions(n_heads: int, width: int, pairs=None) -> list[Condition]:
     keep = lambda heads: tuple(frozenset(heads) for _ in range(width))  # noqa: E731
     pairs = list(pairs or itertools.permutations(range(n_heads), 2))
-    conds = [Condition("deleted", (keep(()), keep(()))), Condition("all", (keep(range(n_heads)),) * 2)]
+    conds = [Condition("deleted", (keep(()), keep(()))), Condition("all", (keep(range(n_heads)),) * 2),
+             Condition.full("full", n_facts=2)]
     for a in sorted({a for a, _ in pairs}):
         conds.append(Condition(f"x@{a}", (keep([a]), keep(())), meta={"x_head": a, "y_head": None}))
     for b in sorted({b for _, b in pairs}):

@@ -3,6 +3,8 @@ model with the real tokenizer (rows, resume, the length guard both ways, the com
 
 import json
 
+import numpy as np
+
 import pytest
 
 from probes import tasks
@@ -393,3 +395,81 @@ def test_accuracy_figure_plots_the_rows(monkeypatch, tmp_path):
 
     assert plotted(0.5) == [0.0, 0.0, 0.25, 0.5]
     assert plotted(0.75) == [0.0, 0.0, 0.25, 0.75]
+
+
+def test_summary_compares_generation_length_with_random_too():
+    """The paper's check that parity is not bought with longer reasoning: lengths paired by problem."""
+    from probes.accuracy import summarize
+
+    def row(policy, problem, length):
+        return {"policy": policy, "budget": 64, "protect_prompt": True, "problem": problem, "run": 0, "grade": 1.0,
+                "gen_len": length, "terminated": True, "events": 3, "compressed": True}
+
+    rows = [row("random", f"p{i}", 100) for i in range(16)] + [row("vase", f"p{i}", 100 + 10 * (i % 3 + 1))
+                                                                 for i in range(16)]
+    vase = {t["method"]: t for t in summarize(rows, n_resamples=2000)}["vase"]
+    assert vase["len_delta"] == pytest.approx(np.mean([10 * (i % 3 + 1) for i in range(16)]))
+    assert vase["len_delta_lo"] > 0 and vase["len_verdict"] == "longer"
+
+
+@pytest.mark.parametrize("protocol,expected", [
+    ("protected", {("random", True), ("snapkv", True), ("triattention", True)}),
+    ("score-only", {("random", False), ("snapkv", False), ("triattention", False)}),
+    ("matched", {(p, m) for p in ("random", "snapkv", "triattention") for m in (True, False)}),
+    # the paper's grid: SnapKV score only, TriAttention with the prefill pinned, against protected Random
+    ("grid", {("random", True), ("snapkv", False), ("triattention", True)}),
+])
+def test_protocols_choose_the_arms(protocol, expected):
+    from probes.accuracy import protocol_arms
+
+    arms = protocol_arms(protocol, ["random", "snapkv", "triattention"], [256, 320])
+    assert {(a.policy, a.protect) for a in arms} == expected and {a.budget for a in arms} == {256, 320}
+
+
+def test_grid_protocol_end_to_end_records_the_protocol_and_engine(tiny_dir, tmp_path, capsys):
+    code, out = _run(tiny_dir, tmp_path, "--protocol", "grid", "--policy", "random", "snapkv", "--problems", "2",
+                     "--budget", "240", "--no-figure")
+    assert code == 0
+    rows = _rows(out)
+    assert {(r["policy"], r["protect_prompt"]) for r in rows} == {("random", True), ("snapkv", False)}
+    assert all(r["protocol"] == "grid" and r["config"]["engine"] == "paper" and r["config"]["recent"] == 8
+               and r["versions"]["randattn"] for r in rows)
+    assert "protocol grid: each baseline in its native mode" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        _run(tiny_dir, tmp_path, "--protocol", "matched", "--no-protect-prompt", "--problems", "2")
+    assert "disagree" in capsys.readouterr().err
+
+
+def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_dir, tmp_path):
+    from probes.tasks import get_task, grade_repeat, load_problems, repeat_problem
+
+    p = repeat_problem(3)
+    assert p.prefix == f"1. {p.answer}\n2." and p.system == "" and len(p.answer.split()) == 4
+    assert grade_repeat(f" {p.answer}\n3. {p.answer}\n4. 12", p).score == 1.0
+    half = " ".join(p.answer.split()[:2] + ["1111", "2222"])
+    assert grade_repeat(f" {p.answer}\n3. {half}\n4. {p.answer[:6]}", p).score == 0.5  # the cut line does not count
+    assert grade_repeat("", p).score == 0.0
+    assert [q.id for q in load_problems(get_task("repeat"))] == [f"repeat-{i}" for i in range(8)]
+    from probes import accuracy
+
+    out = tmp_path / "rep.jsonl"
+    assert accuracy.main(["--model", tiny_dir, "--task", "repeat", "--policy", "random", "--compression", "2",
+                          "--problems", "2", "--runs", "1", "--max-new-tokens", "200", "--out", str(out),
+                          "--no-figure"]) == 0
+    rows = _rows(out)
+    assert {r["policy"] for r in rows} == {"full", "random"}
+    assert all(r["prompt_len"] < 80 and r["events"] > 0 for r in rows if r["policy"] == "random")
+
+
+def test_pooled_tasks_tag_each_source(monkeypatch):
+    """AIME 2025 + 2026 and HMMT Feb + Nov are pooled with ids per source, so problems cluster within a year."""
+    import probes.tasks as tasks
+
+    def fake(task, src):
+        return [{"problem": f"{src.tag} question {i}", "answer": str(i), "id": i + 1} for i in range(2)]
+
+    monkeypatch.setattr(tasks, "_hf_source_rows", fake)
+    aime = tasks.load_problems(tasks.get_task("aime"))
+    assert [p.id for p in aime] == ["2025/1", "2025/2", "2026/1", "2026/2"]
+    assert [p.id for p in tasks.load_problems(tasks.get_task("hmmt"))][::2] == ["feb2025/1", "nov2025/1"]
+    assert tasks.get_task("aime").paper_runs == 16 and tasks.get_task("livecodebench").paper_runs == 4

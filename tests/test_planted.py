@@ -139,6 +139,14 @@ def test_summaries_on_hand_made_rows():
     assert s["all"].recall.value == 1.0 and s["deleted"].recall.value == 0.0
     assert s["half"].recall.value == pytest.approx((9 + 7 + 10) / (18 + 14 + 20))
     assert s["all"].retrieval.value == 1.0 and s["deleted"].retrieval.value == pytest.approx(1 / 3)
+    assert s["half"].recall_full is None  # no full-cache rows: no second denominator
+    # With a full-cache condition, R against it too (the full cache a little better than kept-everywhere here)
+    rows_full = rows + [{"instance": i, "condition": "full", "fact": 0, "lp": lp, "retrieved": True}
+                        for i, lp in enumerate([-1, -3, -2])]
+    s = summarize(rows_full, ["half", "all"])
+    assert s["half"].recall_full.value == pytest.approx((9 + 7 + 10) / (19 + 15 + 20))
+    assert s["half"].recall.value == pytest.approx((9 + 7 + 10) / (18 + 14 + 20))
+    assert "recall_full" in s["half"].as_row()
     ok, text = endpoint_check(rows)
     assert ok and "endpoints" in text
     flat = [dict(r, lp=-5.0, retrieved=False) for r in rows]

@@ -20,22 +20,22 @@ def test_head_pooling_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
     args = ["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), *SMALL]
     assert head_pooling.main(args + ["--instances", "2"]) == 0
     first = _rows(out)
-    assert len(first) == 2 * 9  # 8 head subsets + the fact left to the policy
+    assert len(first) == 2 * 10  # 8 head subsets, the fact left to the policy, the full cache
     assert {r["condition"] for r in first} >= {"deleted", "all", "h0", "h1+2", "policy"}
-    assert all(r["config"]["budget"] == 64 and r["rounds_after_fact"] >= 6 for r in first)
+    assert all(r["config"]["budget"] == 64 and (r["rounds_after_fact"] >= 6) != (r["condition"] == "full") for r in first)
     text = capsys.readouterr().out
     assert "replay parity" in text and "audit" in text and "endpoints" in text
     assert (tmp_path / "head_pooling.png").exists() and (tmp_path / "head_pooling.pdf").exists()
     assert head_pooling.main(args + ["--instances", "3"]) == 0  # resume: only instance 2 is new
     rows = _rows(out)
-    assert rows[: len(first)] == first and len(rows) == 3 * 9
+    assert rows[: len(first)] == first and len(rows) == 3 * 10
     assert len({(r["instance"], r["condition"]) for r in rows}) == len(rows)
     with pytest.raises(SystemExit):
         head_pooling.main(args[:-len(SMALL)] + ["--budget", "80", "--buffer", "12", "--distance", "90"])
     assert "--restart" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("probe,n_conds", [("scatter", 8), ("two_facts", 14)])
+@pytest.mark.parametrize("probe,n_conds", [("scatter", 9), ("two_facts", 15)])
 def test_scatter_and_two_facts_run(tiny_dir, tmp_path, probe, n_conds):
     import importlib
 
