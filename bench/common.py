@@ -121,16 +121,32 @@ class _PeakKV:
 
 
 # -- one timed generation ---------------------------------------------------------------------------
+WINDOW = "window"  # the arm name of transformers' own sliding-window cache: the floor an evicting cache approaches
+
+
+def sliding_window_cache(model, pairs: int):
+    """transformers' ``DynamicSlidingWindowLayer`` in every layer, holding the last ``pairs`` tokens: what an evicting
+    cache of T + r pairs costs with no scoring and no gather (the cost floor of any cache of that size)."""
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+    return Cache(layers=[DynamicSlidingWindowLayer(pairs) for _ in range(model.config.num_hidden_layers)])
+
+
 def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=None, track_peak=False) -> dict:
     """Generate ``new_tokens`` for every row of ``ids`` (greedy, EOS ignored) and measure it.
 
-    ``policy=None``: HF DynamicCache (full attention). ``track_peak`` reads the KV bytes after every
-    step (``kv_bytes_peak``); it stays off for throughput runs so that nothing but decoding is timed.
+    ``policy=None``: HF DynamicCache (full attention); ``policy="window"``: HF's sliding-window layers of
+    ``budget + buffer`` pairs. ``track_peak`` reads the KV bytes after every step (``kv_bytes_peak``); it stays off
+    for throughput runs so that nothing but decoding is timed.
     """
     from transformers import DynamicCache, StoppingCriteriaList
 
-    cache = DynamicCache() if policy is None else randattn.EvictingCache(policy, budget=budget, buffer=buffer,
-                                                                         seed=seed, **(options or {}))
+    if policy is None:
+        cache = DynamicCache()
+    elif policy == WINDOW:
+        cache = sliding_window_cache(model, budget + buffer)
+    else:
+        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, seed=seed, **(options or {}))
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     peak = _PeakKV(cache) if track_peak else None
     if peak is not None:
@@ -138,7 +154,7 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
     if ids.is_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    if policy is None:
+    if policy is None or policy == WINDOW:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kwargs)
     else:
         out = randattn.generate(model, ids, cache, **kwargs)
@@ -157,7 +173,9 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
     }
     if peak is not None:
         row["kv_bytes_peak"] = peak.peak
-    if policy is not None:
+    if policy == WINDOW:
+        row.update(budget=budget, buffer=buffer, window=budget + buffer)
+    elif policy is not None:
         row.update(
             budget=budget,
             buffer=buffer,
@@ -171,15 +189,28 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
     return row
 
 
-def run_arms(model, ids, arms, args, options: dict, **kwargs) -> list:
+def run_arms(model, ids, arms, args, options: dict, *, repeats: int = 1, **kwargs) -> list:
     """``run_one`` for every arm (``None``: full attention) on the same ids with the flags' K, r, length
-    and seed, one after another; each row is printed as it finishes."""
+    and seed; with ``repeats`` the arms run that many times, the order reversed every other time so no arm
+    always goes first (machine noise then shows as each arm's spread); each row is printed as it finishes."""
     rows = []
-    for policy in arms:
-        rows.append(run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer,
-                            new_tokens=args.new_tokens, seed=args.seed, options=options.get(policy), **kwargs))
-        print(json.dumps(rows[-1]), flush=True)
+    for repeat in range(repeats):
+        for policy in (arms if repeat % 2 == 0 else list(reversed(arms))):
+            row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer,
+                          new_tokens=args.new_tokens, seed=args.seed, options=options.get(policy), **kwargs)
+            rows.append({**row, "repeat": repeat})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def medians(rows: list, key: str = "tokens_per_s") -> dict:
+    """``{(batch, policy): (median, min, max)}`` of ``key`` over the repeats."""
+    import statistics
+
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["batch"], r["policy"]), []).append(r[key])
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in out.items()}
 
 
 # -- results ----------------------------------------------------------------------------------------

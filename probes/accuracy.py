@@ -445,6 +445,11 @@ def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[di
 def protocol_arms(protocol: str, policies: list[str], budgets, compression: Optional[dict] = None) -> list[Arm]:
     """The arms a protocol runs at each budget (``compression``: ``{K: c}`` of a sweep)."""
     def modes(pol):
+        if pol in randattn.PAPER_MODES:  # a paper mode name carries its protection
+            return [randattn.PAPER_MODES[pol][2]]
+        native = None if pol == "triattention" or ":" in pol else randattn.make_policy(pol).native_protection
+        if native is not None:  # random-pcap, random-pmix, random-ppp are defined with one mode
+            return [native]
         if protocol == "protected":
             return [True]
         if protocol == "score-only":

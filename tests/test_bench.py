@@ -40,10 +40,16 @@ def test_decode_reuses_the_shared_runner(tiny_dir, tmp_path):
 
     out = tmp_path / "decode.json"
     assert decode.main(["--model", tiny_dir, "--out", str(out), "--new-tokens", "40", "--budget", str(K),
-                        "--buffer", str(R), "--batches", "2"]) == 0
-    full, rnd = _load(out)
+                        "--buffer", str(R), "--batches", "2", "--repeats", "2"]) == 0
+    rows = _load(out)
+    # the arms run twice, the second time in reverse order
+    assert [(r["policy"], r["repeat"]) for r in rows] == [("full", 0), ("window", 0), ("random", 0), ("random", 1),
+                                                          ("window", 1), ("full", 1)]
+    full, window, rnd = rows[:3]
     assert full["policy"] == "full" and full["kv_bytes_end"] == 2 * (PROMPT_LEN + 40 - 1) * BYTES_PER_POS
     assert rnd["kv_bytes_end"] == 2 * (K + R) * BYTES_PER_POS and rnd["rounds_per_layer"] >= 3
+    # HF's sliding window holds the last T + r - 1 pairs between steps: the same memory as the evicting cache
+    assert window["window"] == K + R and window["kv_bytes_end"] == 2 * (K + R - 1) * BYTES_PER_POS
 
 
 def test_equal_memory_fits_each_cache_in_the_budget(tiny_dir, tmp_path):
