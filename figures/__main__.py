@@ -1,8 +1,12 @@
 """Regenerate figures from saved results (no model is run).
 
-    python -m figures                       # every figure whose results exist
+    python -m figures                       # every figure whose results exist, into figures/
     python -m figures --probe head_pooling  # one
     python -m figures --probe head_pooling --results data/results/head_pooling/other-run.jsonl --out /tmp/figs
+
+Results are read from ``data/results/`` under the current folder (what your own runs wrote), and for a figure
+with no results there from the copy shipped with the package (the runs the docs report). Figures go to
+``figures/`` under the current folder, or ``--out``.
 """
 
 from __future__ import annotations
@@ -12,62 +16,97 @@ import importlib
 import sys
 from pathlib import Path
 
-from probes.results import REPO_ROOT
+from randattn.analysis.rows import read_json, read_rows, read_table
+from randattn.analysis.shipped import shipped_result
 
-R = REPO_ROOT / "data" / "results"
-# figure name -> (module:function, the shipped result it draws by default, the command that makes it)
+# figure name -> (module:function, how its input is read, the result it draws by default, the command that makes it)
 FIGURES = {
-    "head_pooling": ("figures.head_pooling:plot", R / "head_pooling/smollm2-135m-random-K256-r16-d384-s0.jsonl",
-                     "python -m probes.head_pooling"),
-    "scatter": ("figures.scatter:plot", R / "scatter/smollm2-135m-random-K256-r16-d384-s0.jsonl",
+    "head_pooling": ("figures.head_pooling:plot", read_rows,
+                     "head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl", "python -m probes.head_pooling"),
+    "scatter": ("figures.scatter:plot", read_rows, "scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl",
                 "python -m probes.scatter"),
-    "two_facts": ("figures.two_facts:plot", R / "two_facts/smollm2-135m-random-K256-r16-d384-s0.jsonl",
+    "two_facts": ("figures.two_facts:plot", read_rows, "two_facts/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl",
                   "python -m probes.two_facts"),
-    "blocks": ("figures.blocks:plot", R / "blocks/summary-smollm2-135m-K256-r16-d384-s0.csv", "python -m probes.blocks"),
-    "passcode": ("figures.passcode:plot", R / "passcode/summary-smollm2-135m-K256-r16-n57-s0.csv",
+    "blocks": ("figures.blocks:plot", read_table, "blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv",
+               "python -m probes.blocks"),
+    "passcode": ("figures.passcode:plot", read_table, "passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv",
                  "python -m probes.passcode"),
-    "survival": ("figures.survival:plot", R / "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl",
+    "survival": ("figures.survival:plot", read_rows, "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl",
                  "python -m probes.survival"),
-    "prompt_protection": ("figures.prompt_protection:plot",
-                          R / "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv",
+    "prompt_protection": ("figures.prompt_protection:plot", read_table,
+                          "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv",
                           "python -m probes.prompt_protection"),
-    "shared_draw": ("figures.shared_draw:plot", R / "shared_draw/summary-smollm2-135m-K256-r16-s0.csv",
+    "shared_draw": ("figures.shared_draw:plot", read_table, "shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv",
                     "python -m probes.shared_draw"),
-    "accuracy": ("figures.accuracy:plot", R / "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl", "python -m probes.accuracy"),
-    "bench_decode": ("figures.bench:plot_decode", R / "bench/decode.json", "python -m bench.decode"),
-    "bench_round_cost": ("figures.bench:plot_round_cost", R / "bench/round_cost.json", "python -m bench.round_cost"),
-    "bench_batch_scaling": ("figures.bench:plot_batch_scaling", R / "bench/batch_scaling.json",
+    "accuracy": ("figures.accuracy:plot", read_rows, "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl",
+                 "python -m probes.accuracy"),
+    "challenge": ("figures.challenge:plot", read_table,
+                  "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick/verdict.csv",
+                  "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick"),
+    "bench_decode": ("figures.bench:plot_decode", read_json, "bench/decode.json", "python -m bench.decode"),
+    "bench_round_cost": ("figures.bench:plot_round_cost", read_json, "bench/round_cost.json",
+                         "python -m bench.round_cost"),
+    "bench_batch_scaling": ("figures.bench:plot_batch_scaling", read_json, "bench/batch_scaling.json",
                             "python -m bench.batch_scaling"),
 }
+# Figures drawn only on request (--probe NAME): they need an input nothing ships by default.
+ON_REQUEST = {"challenge"}
 
 
-def draw(name: str, results=None, out_dir=None) -> list[Path]:
-    target, default, _ = FIGURES[name]
+def default_input(name: str) -> Path:
+    """``data/results/<result>`` under the current folder when there, else the shipped copy."""
+    rel = FIGURES[name][2]
+    mine = Path("data") / "results" / rel
+    return mine if mine.exists() else shipped_result(rel)
+
+
+def draw(name: str, results=None, out_dir=None, **options) -> list[Path]:
+    """Read ``results`` (default: :func:`default_input`) and plot it; ``options`` go to the plot (accuracy: which
+    ``problems`` and how many ``runs`` of the file to show)."""
+    target, reader, _, command = FIGURES[name]
     module, func = target.split(":")
     plot = getattr(importlib.import_module(module), func)
-    return plot(Path(results) if results else default, out_dir, name=name)
+    path = Path(results) if results else default_input(name)
+    return plot(reader(path, command), Path(out_dir) if out_dir else Path("figures"), name=name, **options)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", choices=sorted(FIGURES), action="append", help="only this figure (repeatable)")
-    p.add_argument("--results", default=None, help="result file to draw (with one --probe); default: the shipped one")
-    p.add_argument("--out", default=None, help="output directory (default: figures/)")
+    p.add_argument("--results", default=None, help="result file to draw (with one --probe); default: yours under "
+                                                   "data/results/, else the shipped one")
+    p.add_argument("--out", default=None, help="output folder (default: figures/ under the current folder)")
+    p.add_argument("--problems", default=None, help="accuracy: comma-separated problem ids to show (default: all)")
+    p.add_argument("--runs", type=int, default=None, help="accuracy: the first N runs of each problem (default: all)")
     args = p.parse_args(argv)
-    names = args.probe or list(FIGURES)
+    options = {}
+    if args.problems or args.runs:
+        if args.probe != ["accuracy"]:
+            p.error("--problems and --runs apply to --probe accuracy only")
+        options = {"problems": args.problems.split(",") if args.problems else None, "runs": args.runs}
+    names = args.probe or [n for n in FIGURES if n not in ON_REQUEST]
     if args.results and len(names) != 1:
         p.error("--results needs exactly one --probe")
-    missing = 0
+    missing = failed = 0
     for name in names:
-        _, default, command = FIGURES[name]
-        path = Path(args.results) if args.results else default
+        command = FIGURES[name][3]
+        path = Path(args.results) if args.results else default_input(name)
         if not path.exists():
             print(f"{name}: no results at {path}; `{command}` produces them", file=sys.stderr)
             missing += 1
             continue
-        for f in draw(name, path, args.out):
+        try:
+            files = draw(name, path, args.out, **options)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            print(f"{name}: cannot draw from {path}: it is not a result file of `{command}` "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
+            failed += 1
+            continue
+        for f in files:
             print(f"{name}: {f}")
-    return 1 if missing and (args.probe or missing == len(names)) else 0
+    if args.probe and (missing or failed):
+        return 1
+    return 1 if missing + failed == len(names) else 0
 
 
 if __name__ == "__main__":

@@ -82,11 +82,10 @@ def _sweep(ax, grades: dict, policies: list[str]) -> None:
     ax.set_xlabel("budget K (pairs per KV head), prompt protected")
 
 
-def plot(results_path: "str | Path", out_dir=None, name: str = "accuracy", *, problems: Optional[list] = None,
+def plot(rows: list[dict], out_dir=None, name: str = "accuracy", *, problems: Optional[list] = None,
          runs: Optional[int] = None) -> list[Path]:
-    """Draw the accuracy figure from a ``probes.accuracy`` result file (optionally restricted to some problems and
+    """Draw the accuracy figure from ``probes.accuracy`` result rows (optionally restricted to some problems and
     the first ``runs`` runs); returns the PNG and PDF paths."""
-    rows = style.load_rows(results_path, "accuracy")
     if problems is not None:
         keep = set(problems)
         rows = [r for r in rows if r["problem"] in keep]

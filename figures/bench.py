@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -11,15 +10,8 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter
 from . import style
 
 
-def _load(path: "str | Path", command: str) -> dict:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no results; run `{command}` to produce them")
-    return json.loads(path.read_text())
-
-
-def plot_decode(results: "str | Path", out_dir=None, name: str = "bench_decode") -> list[Path]:
-    data = _load(results, "python -m bench.decode")
+def plot_decode(data: dict, out_dir=None, name: str = "bench_decode") -> list[Path]:
+    """Draw the decode benchmark from its result (``{"meta": ..., "rows": [...]}``)."""
     meta, rows = data["meta"], data["rows"]
     batches = sorted({r["batch"] for r in rows})
     style.apply()
@@ -46,8 +38,8 @@ def plot_decode(results: "str | Path", out_dir=None, name: str = "bench_decode")
     return style.save(fig, name, out_dir)
 
 
-def plot_round_cost(results: "str | Path", out_dir=None, name: str = "bench_round_cost") -> list[Path]:
-    data = _load(results, "python -m bench.round_cost")
+def plot_round_cost(data: dict, out_dir=None, name: str = "bench_round_cost") -> list[Path]:
+    """Draw the round-cost benchmark from its result."""
     rows = data["rows"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     style.apply()
@@ -69,9 +61,8 @@ def plot_round_cost(results: "str | Path", out_dir=None, name: str = "bench_roun
     return style.save(fig, name, out_dir)
 
 
-def plot_batch_scaling(results: "str | Path", out_dir=None, name: str = "bench_batch_scaling") -> list[Path]:
-    """Throughput vs batch per policy (left) and each policy's per-round cost vs batch (right)."""
-    data = _load(results, "python -m bench.batch_scaling")
+def plot_batch_scaling(data: dict, out_dir=None, name: str = "bench_batch_scaling") -> list[Path]:
+    """Throughput vs batch per policy (left) and each policy's per-round cost vs batch (right), from the result."""
     meta, rows = data["meta"], data["rows"]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     style.apply()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -17,12 +16,9 @@ def _est(row: dict, key: str):
     return Estimate(float(row[key]), float(row[f"{key}_lo"]), float(row[f"{key}_hi"]), 0)
 
 
-def plot(summary: "str | Path", out_dir=None, name: str = "blocks") -> list[Path]:
-    summary = Path(summary)
-    if not summary.exists():
-        raise FileNotFoundError(f"{summary}: no results; run `python -m probes.blocks` to produce them")
-    with open(summary) as f:
-        rows = list(csv.DictReader(f))
+def plot(table: list[dict], out_dir=None, name: str = "blocks") -> list[Path]:
+    """Draw from the probe's summary table (the rows of its summary CSV)."""
+    rows = table
     config = {"model": rows[0]["model"], "budget": rows[0]["budget"], "buffer": rows[0]["buffer"],
               "distance": rows[0]["distance"], "policy": "random-block",
               "protect_prompt": rows[0]["protect_prompt"] == "True"}

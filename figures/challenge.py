@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -13,19 +12,12 @@ from randattn.stats import Estimate
 from . import style
 
 
-def _tested(path: Path) -> list[dict]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no results; run `python -m probes.challenge --policy MODULE:CALLABLE` "
-                                "to produce them")
-    with open(path) as f:
-        return [r for r in csv.DictReader(f) if r["verdict"]]
-
-
-def plot(verdict_csv: "str | Path", out_dir=None, name: str = "challenge") -> list[Path]:
-    rows = _tested(Path(verdict_csv))
+def plot(table: list[dict], out_dir=None, name: str = "challenge") -> list[Path]:
+    """Draw the verdicts from the challenge's verdict table (the rows of its ``verdict.csv``)."""
+    rows = [r for r in table if r["verdict"]]
     if not rows:
-        raise ValueError(f"{verdict_csv}: no metric with a significance test (run the accuracy, question, planted or "
-                         "passcode part)")
+        raise ValueError("the verdict table has no metric with a significance test (run the accuracy, question, "
+                         "planted or passcode part)")
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     # Differences of rates and of log-probs do not share a scale: one panel each.
     panels = [(lbl, [r for r in rows if ("nats" in r["metric"]) == nats])

@@ -7,14 +7,14 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
+from randattn.analysis.planted import heads_holding as _size
+from randattn.analysis.planted import summarize
+
 from . import style
 
 
-def plot(results: "str | Path", out_dir=None, name: str = "head_pooling") -> list[Path]:
-    from probes.head_pooling import _size
-    from probes.planted_run import summarize
-
-    rows = style.load_rows(results, "head_pooling")
+def plot(rows: list[dict], out_dir=None, name: str = "head_pooling") -> list[Path]:
+    """Draw head pooling from its result rows (``python -m probes.head_pooling``)."""
     config = rows[0]["config"]
     n_heads = config["kv_heads"]
     names = list(dict.fromkeys(r["condition"] for r in rows))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -12,12 +11,9 @@ from randattn.stats import Estimate
 from . import style
 
 
-def plot(summary: "str | Path", out_dir=None, name: str = "passcode") -> list[Path]:
-    summary = Path(summary)
-    if not summary.exists():
-        raise FileNotFoundError(f"{summary}: no results; run `python -m probes.passcode` to produce them")
-    with open(summary) as f:
-        rows = list(csv.DictReader(f))
+def plot(table: list[dict], out_dir=None, name: str = "passcode") -> list[Path]:
+    """Draw from the probe's summary table (the rows of its summary CSV)."""
+    rows = table
     style.apply()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = [r["policy"] for r in rows]

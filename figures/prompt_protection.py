@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -10,12 +9,9 @@ import matplotlib.pyplot as plt
 from . import style
 
 
-def plot(summary: "str | Path", out_dir=None, name: str = "prompt_protection") -> list[Path]:
-    summary = Path(summary)
-    if not summary.exists():
-        raise FileNotFoundError(f"{summary}: no results; run `python -m probes.prompt_protection` to produce them")
-    with open(summary) as f:
-        rows = list(csv.DictReader(f))
+def plot(table: list[dict], out_dir=None, name: str = "prompt_protection") -> list[Path]:
+    """Draw from the probe's summary table (the rows of its summary CSV)."""
+    rows = table
     full = next((r for r in rows if r["policy"] == "full"), None)
     rows = [r for r in rows if r["policy"] != "full"]
     style.apply()

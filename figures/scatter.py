@@ -6,20 +6,19 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from randattn.analysis.planted import rotating_pairs, scatter_compare, summarize
+
 from . import style
 
 
-def plot(results: "str | Path", out_dir=None, name: str = "scatter") -> list[Path]:
-    from probes.planted_run import summarize
-    from probes.scatter import compare, rotating_pairs
-
-    rows = style.load_rows(results, "scatter")
+def plot(rows: list[dict], out_dir=None, name: str = "scatter") -> list[Path]:
+    """Draw scattered vs intact from the scatter probe's result rows."""
     config = rows[0]["config"]
     n_heads = config["kv_heads"]
     pairs = [f"intact h{a}+{b}" for a, b in rotating_pairs(n_heads)]
     phases = [f"scattered p{p}" for p in range(n_heads)]
     summ = summarize(rows, pairs + phases, seed=config["seed"])
-    c = compare(rows, n_heads, config["seed"])
+    c = scatter_compare(rows, n_heads, config["seed"])
     style.apply()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     labels = ([p.replace("intact ", "") for p in pairs] + ["intact\n(mean)"] + [p.replace("scattered ", "")

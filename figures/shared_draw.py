@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -16,12 +15,9 @@ PANELS = [("delta_nll_vs_full", "next-token loss over full attention\n(nats/toke
           ("passcode_retrieval", "passcode retrieval\n(stated once)")]
 
 
-def plot(summary: "str | Path", out_dir=None, name: str = "shared_draw") -> list[Path]:
-    summary = Path(summary)
-    if not summary.exists():
-        raise FileNotFoundError(f"{summary}: no results; run `python -m probes.shared_draw` to produce them")
-    with open(summary) as f:
-        rows = [r for r in csv.DictReader(f) if r["policy"] in ("random", "random-shared")]
+def plot(table: list[dict], out_dir=None, name: str = "shared_draw") -> list[Path]:
+    """Draw from the probe's summary table (the rows of its summary CSV)."""
+    rows = [r for r in table if r["policy"] in ("random", "random-shared")]
     style.apply()
     fig, axes = plt.subplots(1, len(PANELS), figsize=(11, 3.6))
     for ax, (measure, label) in zip(axes, PANELS):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -11,7 +10,6 @@ matplotlib.use("Agg")  # figures are files; never open a window (CI, ssh, notebo
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-FIGURES = Path(__file__).resolve().parent
 PALETTE = sns.color_palette("colorblind")
 
 
@@ -29,17 +27,6 @@ def geometry(config: dict) -> str:
     return ", ".join(parts)
 
 
-def load_rows(path: "str | Path", probe: str) -> list[dict]:
-    """Result rows of one run; a missing file names the command that makes it."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no results; run `python -m probes.{probe}` to produce them")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{path} holds no rows; run `python -m probes.{probe}`")
-    return rows
-
-
 def errorbar(ax, x, est, **kw):
     """One point with its bootstrap CI (an :class:`randattn.stats.Estimate`)."""
     return ax.errorbar(x, est.value, yerr=[[est.value - est.lo], [est.hi - est.value]], fmt=kw.pop("fmt", "o"),
@@ -47,8 +34,8 @@ def errorbar(ax, x, est, **kw):
 
 
 def save(fig, name: str, out_dir: "str | Path | None" = None) -> list[Path]:
-    """Write ``name.png`` and ``name.pdf``; returns the paths."""
-    out = Path(out_dir) if out_dir else FIGURES
+    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default ``figures/`` under the current folder)."""
+    out = Path(out_dir) if out_dir else Path("figures")
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf"]
     fig.savefig(paths[0], dpi=200)

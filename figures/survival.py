@@ -8,22 +8,22 @@ from typing import Optional, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
+from randattn.analysis.survival import pool
+
 from . import style
 
 FLOOR = 1e-3  # a log axis cannot show 0; curves that reach 0 leave the plot there
 
 
-def plot(results_path: "str | Path", out_dir=None, *, policies: Optional[Sequence[str]] = None,
+def plot(rows: list[dict], out_dir=None, *, policies: Optional[Sequence[str]] = None,
          modes: Optional[Sequence[str]] = None, name: str = "survival") -> list[Path]:
-    """Per-head (left) and union-over-heads (right) survival vs age, one row per prompt mode."""
-    from probes.survival import pool
-
-    rows = style.load_rows(results_path, "survival")
+    """Per-head (left) and union-over-heads (right) survival vs age, one row per prompt mode, from the survival
+    probe's result rows."""
     config = rows[0]["config"]
     pooled = pool([r for r in rows if (policies is None or r["policy"] in policies)
                    and (modes is None or r["mode"] in modes)])
     if not pooled:
-        raise ValueError(f"{results_path}: no rows for policies {policies} and modes {modes}")
+        raise ValueError(f"no survival rows for policies {policies} and modes {modes}")
     mode_list = list(dict.fromkeys(m for _, m in pooled))
     policy_list = list(dict.fromkeys(p for p, _ in pooled))
     colours = {p: style.PALETTE[i % len(style.PALETTE)] for i, p in enumerate(policy_list)}

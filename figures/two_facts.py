@@ -6,14 +6,13 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from randattn.analysis.planted import pair_tests, summarize
+
 from . import style
 
 
-def plot(results: "str | Path", out_dir=None, name: str = "two_facts") -> list[Path]:
-    from probes.planted_run import summarize
-    from probes.two_facts import pair_tests
-
-    rows = style.load_rows(results, "two_facts")
+def plot(rows: list[dict], out_dir=None, name: str = "two_facts") -> list[Path]:
+    """Draw two facts in two heads from the probe's result rows."""
     config = rows[0]["config"]
     names = list(dict.fromkeys(r["condition"] for r in rows))
     pairs = [tuple(int(h) for h in n.replace("x@", "").replace("y@", "").split("+")) for n in names if "+" in n]

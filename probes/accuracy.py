@@ -32,7 +32,6 @@ methods x budgets table (Markdown printed; CSV, LaTeX and Markdown written besid
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from collections import defaultdict
@@ -45,15 +44,17 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.stats import comparison_table, mean_ci, paired_comparison, per_problem_means
+from randattn.analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
+                                       warn_uncompressed)
+from randattn.stats import comparison_table
 
-from .common import base_parser, check_policies, positive_int
+from . import cli
+from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
 from .passcode import POLICIES
-from .planted_run import write_csv
-from .results import REPO_ROOT, ResultsFile, git_revision
+from .planted_run import _check_policy, load, write_csv
+from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
-FULL = "full"
 # Policies whose scores never draw on the eviction seed: under greedy decoding their runs are identical, so they run
 # once (like full attention). tests/test_accuracy.py checks that their keep-sets do not depend on the seed.
 SEED_FREE = frozenset({"recency", "streamingllm", "h2o", "snapkv", "snapkv-longbench", "rkv", "rkv-official",
@@ -73,59 +74,68 @@ GRID_PROTECTION = {"random": True, "random-shared": True, "random-block": True, 
                    "vase": False, "h2o": False, "streamingllm": False, "random-pcap": False, "random-pmix": False}
 
 
-@dataclass(frozen=True)
-class Arm:
-    """One generation setting: a policy at a budget, with or without the protected prompt."""
-
-    policy: str
-    budget: Optional[int]  # None for full attention
-    protect: Optional[bool]  # None for full attention
-    compression: Optional[float] = None
-
-    @property
-    def label(self) -> str:
-        """Method name in tables: the policy, ``(score only)`` when the prompt competes."""
-        if self.policy == FULL:
-            return FULL
-        return self.policy if self.protect else f"{self.policy} (score only)"
-
-
 # -- command line ---------------------------------------------------------------------------------
-def accuracy_parser() -> argparse.ArgumentParser:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--task", default="copy", help=f"one of {', '.join(TASKS)}")
-    p.add_argument("--policy", nargs="+", default=[FULL, *POLICIES],
-                   help=f"policies to run; '{FULL}' is full attention (no eviction)")
-    p.add_argument("--budget", type=positive_int, nargs="+", default=None,
-                   help="K, one or several (a budget sweep); default: the task's, e.g. math500 1024")
-    p.add_argument("--buffer", type=positive_int, default=None, help="r (default: the task's; 64 for the paper's tasks)")
-    p.add_argument("--compression", type=float, nargs="+", default=None,
-                   help="set K = mean full-attention generation length / c for each c (instead of --budget)")
-    p.add_argument("--runs", type=positive_int, default=None,
-                   help="runs per problem (eviction seeds; sampling seeds too); default 3, or the paper's per task "
-                        "with --protocol grid (MATH500 2, GPQA 4, AIME/HMMT 16, LiveCodeBench 4)")
-    p.add_argument("--problems", type=positive_int, default=None, help="first N problems (default: all; copy: 32)")
-    p.add_argument("--data", default=None, help="local JSONL of problems instead of the HF dataset (fields: see "
-                                                "probes/tasks.py)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
-                   help="which arms run: 'protected' (default) or 'score-only' for every policy; 'matched' both ways "
-                        "(the paper's Table 2); 'grid' each baseline in its native mode against protected Random, "
-                        "sampling with the model card's settings and the paper's runs per task (its main grid)")
-    p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
-                   help="score only: the prompt competes with everything else (the same as --protocol score-only)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the task's (32768 for the "
-                                                                             "paper's tasks)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default); > 0 samples; --protocol grid: the model card's (generation config)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature (default 1)")
-    p.add_argument("--batch", type=positive_int, default=32, help="problems of equal prompt length generated together")
-    p.add_argument("--policy-option", nargs="+", default=[], metavar="POLICY:KEY=VALUE",
-                   help="policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 (override the task's)")
-    p.add_argument("--stats", default=None, help="TriAttention statistics file (default: the embedded model's)")
-    p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
-    p.add_argument("--no-figure", action="store_true")
-    p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
-    return p
+@dataclass
+class Config(RunConfig):
+    """Accuracy under eviction: generate, grade, compare with Random (``python -m probes.accuracy``)."""
+
+    task: str = option("copy", "the task", choices=tuple(TASKS))
+    policy: tuple[str, ...] = option((FULL, *POLICIES), f"policies to run; '{FULL}' is full attention (no eviction)")
+    budget: Optional[tuple[int, ...]] = option(None, "T, one or several (a budget sweep); default: the task's, e.g. "
+                                                     "math500 1024", check=POSITIVE)
+    buffer: Optional[int] = option(None, "r (default: the task's; 64 for the paper's tasks)", check=POSITIVE)
+    compression: Optional[tuple[float, ...]] = option(None, "set T = mean full-attention generation length / c for "
+                                                            "each c (instead of --budget)", check=POSITIVE)
+    runs: Optional[int] = option(None, "runs per problem (eviction seeds; sampling seeds too); default 3, or the "
+                                       "paper's per task with --protocol grid (MATH500 2, GPQA 4, AIME/HMMT 16, "
+                                       "LiveCodeBench 4)", check=POSITIVE)
+    problems: Optional[int] = option(None, "first N problems (default: all; copy: 32)", check=POSITIVE)
+    data: Optional[str] = option(None, "local JSONL of problems instead of the HF dataset (fields: see probes/tasks.py)")
+    protocol: Optional[str] = option(None, "which arms run: 'protected' (default) or 'score-only' for every policy; "
+                                           "'matched' both ways (the paper's Table 2); 'grid' each baseline in its "
+                                           "native mode against protected Random, sampling with the model card's "
+                                           "settings and the paper's runs per task (its main grid)", choices=PROTOCOLS)
+    protect_prompt: bool = option(True, "score only: the prompt competes with everything else (the same as "
+                                        "--protocol score-only)")
+    max_new_tokens: Optional[int] = option(None, "default: the task's (32768 for the paper's tasks)", check=POSITIVE)
+    temperature: Optional[float] = option(None, "0 = greedy (default); > 0 samples; --protocol grid: the model card's "
+                                                "(generation config)", check=NONNEGATIVE)
+    top_p: Optional[float] = option(None, "nucleus sampling with --temperature (default 1)")
+    batch: int = option(32, "problems of equal prompt length generated together", check=POSITIVE)
+    policy_option: tuple[str, ...] = option((), "policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 "
+                                                "(override the task's)", metavar="POLICY:KEY=VALUE")
+    stats: Optional[str] = option(None, "TriAttention statistics file (default: the embedded model's)")
+    options: dict = option({}, "resolved policy options", cli=False)
+
+    def check(self) -> None:
+        for spec in self.policy:
+            if spec != FULL:
+                _check_policy("policy", spec)
+        if self.compression is not None and self.budget is not None:
+            raise ConfigError("compression", "--budget and --compression both set T; pass one of them")
+        if not self.protect_prompt and self.protocol not in (None, "score-only"):
+            raise ConfigError("protocol", f"--no-protect-prompt and --protocol {self.protocol} disagree; pass one of "
+                                          "them")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if "triattention" in self.policy and self.stats is None and self.model is not None:
+            raise ConfigError("stats", "--policy triattention needs --stats FILE for this model: run `python -m "
+                                       f"randattn.calibrate --model {self.model} --out stats.pt` and pass --stats "
+                                       "stats.pt")
+
+    def resolved(self, model=None) -> "Config":
+        """The task's and the protocol's defaults filled in (runs, r, length, sampling, protocol, policy options)."""
+        task = get_task(self.task)
+        protocol = self.protocol or ("protected" if self.protect_prompt else "score-only")
+        runs = self.runs or (task.paper_runs if protocol == "grid" and task.paper_runs else 3)
+        temperature, top_p = self.temperature, self.top_p
+        if temperature is None:
+            temperature, card_top_p = model_card_sampling(model) if protocol == "grid" and model is not None else (0, 1)
+            top_p = card_top_p if top_p is None else top_p
+        return self.replace(protocol=protocol, runs=runs, buffer=self.buffer or task.buffer,
+                            max_new_tokens=self.max_new_tokens or task.max_new_tokens, temperature=float(temperature),
+                            top_p=1.0 if top_p is None else float(top_p),
+                            options=policy_options(self.policy_option, task.policy_options))
 
 
 def model_card_sampling(model) -> tuple[float, float]:
@@ -137,32 +147,7 @@ def model_card_sampling(model) -> tuple[float, float]:
     return float(gc.temperature), float(getattr(gc, "top_p", None) or 1.0)
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse bad flag combinations with a message naming the flag and the fix."""
-    args.runs_given, args.sampling_given = args.runs, args.temperature is not None
-    args.runs = args.runs or 3
-    args.temperature = 0.0 if args.temperature is None else args.temperature
-    args.top_p = 1.0 if args.top_p is None else args.top_p
-    if args.task not in TASKS:
-        p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
-    check_policies(p, "--policy", args.policy, extra=(FULL,))
-    if args.compression is not None and args.budget is not None:
-        p.error("--budget and --compression both set K; pass one of them")
-    if args.compression is not None and any(not (c > 0) or c == float("inf") for c in args.compression):
-        p.error(f"--compression {args.compression}: each factor must be > 0 (e.g. 2 4 8 16)")
-    if not args.protect_prompt and args.protocol not in (None, "score-only"):
-        p.error(f"--no-protect-prompt and --protocol {args.protocol} disagree; pass one of them")
-    args.protocol = args.protocol or ("protected" if args.protect_prompt else "score-only")
-    if not (args.temperature >= 0):  # also refuses nan
-        p.error(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
-    if not (0 < args.top_p <= 1):
-        p.error(f"--top-p {args.top_p}: must be in (0, 1]")
-    if "triattention" in args.policy and args.stats is None and args.model is not None:
-        p.error("--policy triattention needs --stats FILE for this model: run `python -m randattn.calibrate "
-                f"--model {args.model} --out stats.pt` and pass --stats stats.pt")
-
-
-def policy_options(p: argparse.ArgumentParser, specs: list[str], task_defaults: dict) -> dict:
+def policy_options(specs, task_defaults: dict) -> dict:
     """``{policy: {option: value}}``: the task's defaults updated by ``--policy-option POLICY:KEY=VALUE``; every
     option is checked against the policy's constructor."""
     options = {pol: dict(opts) for pol, opts in task_defaults.items()}
@@ -170,7 +155,7 @@ def policy_options(p: argparse.ArgumentParser, specs: list[str], task_defaults: 
         pol, sep, rest = spec.partition(":")
         key, eq, value = rest.partition("=")
         if not sep or not eq or not key:
-            p.error(f"--policy-option {spec!r}: expected POLICY:KEY=VALUE, e.g. h2o:recent_fraction=0.25")
+            raise ConfigError("policy_option", f"{spec!r}: expected POLICY:KEY=VALUE, e.g. h2o:recent_fraction=0.25")
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -182,7 +167,7 @@ def policy_options(p: argparse.ArgumentParser, specs: list[str], task_defaults: 
         try:
             randattn.make_policy(pol, **opts)
         except (ValueError, TypeError) as exc:
-            p.error(f"--policy-option for {pol}: {exc}")
+            raise ConfigError("policy_option", f"for {pol}: {exc}") from None
     return options
 
 
@@ -205,6 +190,21 @@ def eos_ids(model, tok) -> set[int]:
     gen = getattr(model.generation_config, "eos_token_id", None)
     ids.update(gen if isinstance(gen, (list, tuple)) else [gen] if gen is not None else [])
     return ids
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How a batch is generated: r, the length limit, sampling, the policies' options (from a resolved Config)."""
+
+    buffer: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    options: dict
+
+    @classmethod
+    def of(cls, config) -> "Generation":
+        return cls(config.buffer, config.max_new_tokens, config.temperature, config.top_p, dict(config.options))
 
 
 def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int, args, stats) -> list[dict]:
@@ -279,7 +279,7 @@ def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple
     return work
 
 
-def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p, stats) -> None:
+def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, stats) -> None:
     """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
     work = pending_batches(arms, problems, prompts, lambda arm: runs_for(arm, args.runs, args.temperature), rf.done,
                            args.batch)
@@ -293,7 +293,7 @@ def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, p
             outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=stats)
         except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
             bar.close()
-            p.error(f"--policy {arm.policy} (K={arm.budget}, protect_prompt={arm.protect}): {exc}")
+            raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") from None
         rows = [graded_row(task, problems[i], arm, run, seed, o, args.protocol) for i, o in zip(idx, outs)]
         score[arm.label] += [r["grade"] for r in rows]
         rf.append(rows)
@@ -313,95 +313,6 @@ def sweep_budgets(rows: list[dict], factors: list[float]) -> tuple[float, dict[f
 
 
 # -- summary ----------------------------------------------------------------------------------------
-def arm_of(row: dict) -> Arm:
-    return Arm(row["policy"], row["budget"], row["protect_prompt"])
-
-
-def grades_by_arm(rows: list[dict], field: str = "grade") -> dict[Arm, dict[str, list[float]]]:
-    """``{arm: {problem: [grade (or another field) per run]}}``."""
-    out: dict = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        out[arm_of(r)][r["problem"]].append(r[field])
-    return {a: dict(g) for a, g in out.items()}
-
-
-def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:
-    """One line per arm: accuracy with CI, lengths, termination, rounds, uncompressed rows, and the paired
-    comparison with Random at the same K and protection (or protected Random when that is all there is)."""
-    grades = grades_by_arm(rows)
-    lengths = grades_by_arm(rows, "gen_len")
-    by_arm = defaultdict(list)
-    for r in rows:
-        by_arm[arm_of(r)].append(r)
-    table = []
-    order = sorted(grades, key=lambda a: (a.policy != FULL, a.budget or 0, not a.protect, a.policy))
-    for arm in order:
-        rs, g = by_arm[arm], grades[arm]
-        acc = mean_ci(list(per_problem_means(g).values()), seed=seed)
-        line = {"method": arm.label, "policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect,
-                "problems": len(g), "runs": max(len(v) for v in g.values()), **acc.as_dict("accuracy"),
-                "gen_len": float(np.mean([r["gen_len"] for r in rs])),
-                "terminated": float(np.mean([r["terminated"] for r in rs])),
-                "events": float(np.mean([r["events"] for r in rs])),
-                "uncompressed": 0 if arm.policy == FULL else sum(not r["compressed"] for r in rs)}
-        ref = next((b for b in (Arm("random", arm.budget, arm.protect), Arm("random", arm.budget, True))
-                    if b in grades and b != arm), None)
-        if arm.policy == FULL:
-            ref = next((b for b in order if b.policy == "random" and b.protect), None)
-        if ref is not None:
-            c = paired_comparison(g, grades[ref], n_resamples=n_resamples, seed=seed)
-            line.update({"vs": ref.label + ("" if arm.policy != FULL else f" K={ref.budget}"),
-                         **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins,
-                         "losses": c.sign.losses, "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict})
-            # The paper checks that parity is not bought with longer reasoning: generation length, paired the same way.
-            n = paired_comparison(lengths[arm], lengths[ref], n_resamples=n_resamples, seed=seed)
-            line.update({**n.delta.as_dict("len_delta"), "len_p_sign": n.sign.p,
-                         "len_verdict": {"better": "longer", "worse": "shorter"}.get(n.verdict, n.verdict)})
-        table.append(line)
-    return table
-
-
-def protection_gains(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:
-    """For each policy and K run both ways: protected minus score-only accuracy, paired by problem."""
-    grades = grades_by_arm(rows)
-    out = []
-    for arm in sorted(grades, key=lambda a: (a.budget or 0, a.policy)):
-        if arm.protect and Arm(arm.policy, arm.budget, False) in grades:
-            c = paired_comparison(grades[arm], grades[Arm(arm.policy, arm.budget, False)], n_resamples=n_resamples,
-                                  seed=seed)
-            out.append({"policy": arm.policy, "budget": arm.budget, **c.delta.as_dict("gain"),
-                        "p_bootstrap": c.p_bootstrap, "p_sign": c.sign.p, "verdict": c.verdict})
-    return out
-
-
-def table_results(rows: list[dict], task: str) -> dict:
-    """``{(policy, column): {problem: [grades]}}`` for :func:`randattn.stats.comparison_table`: one column per K and
-    protection mode (``copy K=256``, ``copy K=256 score only``), so every cell is compared with Random under the same
-    K and protection; full attention is repeated in each column."""
-    grades = grades_by_arm(rows)
-    columns = sorted({(a.budget, a.protect) for a in grades if a.policy != FULL}, key=lambda c: (c[0], not c[1]))
-    results = {}
-    for k, protect in columns:
-        col = f"{task} K={k}" + ("" if protect else " score only")
-        for arm, g in grades.items():
-            if arm.policy == FULL or (arm.budget, arm.protect) == (k, protect):
-                results[(arm.policy, col)] = g
-    return dict(sorted(results.items(), key=lambda kv: (kv[0][0] != FULL, kv[0][0] != "random", kv[0][0])))
-
-
-def warn_uncompressed(table: list[dict]) -> Optional[str]:
-    """The loud warning when rows under an evicting policy never ran a round (None when all did)."""
-    bad = [(t["method"], t["budget"], t["uncompressed"]) for t in table if t["uncompressed"]]
-    if not bad:
-        return None
-    listing = ", ".join(f"{m} K={k}: {n}" for m, k, n in bad)
-    bar = "!" * 100
-    return (f"{bar}\nWARNING: rows that never triggered an eviction round ({listing}).\n"
-            "Their generation ended before the cache reached K + r, so they measured FULL ATTENTION, not compression\n"
-            "(the paper's vLLM benchmark bug). Those rows carry compressed: false. Lower --budget, raise "
-            f"--max-new-tokens, or drop them.\n{bar}")
-
-
 def print_summary(table: list[dict], gains: list[dict], protocol: Optional[str] = None) -> None:
     if protocol:
         print(f"\nprotocol {protocol}: " + {
@@ -462,25 +373,26 @@ def protocol_arms(protocol: str, policies: list[str], budgets, compression: Opti
             for protect in modes(pol)]
 
 
-def check_prompt_fits(p: argparse.ArgumentParser, arms: list[Arm], longest: int, buffer: int) -> None:
+def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
     """T must exceed the recent window r, and a protected prompt needs T >= its length + 1 + r (the newest r pairs
     are kept outside the selection); otherwise stop, naming the flag that set T."""
     for arm in arms:
-        flag = f"--compression {arm.compression:g}" if arm.compression else f"--budget {arm.budget}"
+        name = "compression" if arm.compression else "budget"
+        what = f"{arm.compression:g} (T={arm.budget})" if arm.compression else f"T={arm.budget}"
         if arm.budget <= buffer:
-            p.error(f"{flag}: T={arm.budget} must exceed the recent window r={buffer} (the newest r pairs are kept "
-                    f"untouched and T - r selected); use T > {buffer}, a smaller compression, or a smaller --buffer")
+            raise ConfigError(name, f"{what} must exceed the recent window r={buffer} (the newest r pairs are kept "
+                                    f"untouched and T - r selected); use T > {buffer}, a smaller compression, or a "
+                                    "smaller --buffer")
         if arm.protect and arm.budget < longest + 1 + buffer:
-            p.error(f"{flag}: T={arm.budget} cannot hold the protected {longest}-token prompt plus one slot beside the "
-                    f"recent window of r={buffer}; use T >= {longest + 1 + buffer}, a smaller compression, or "
-                    f"--no-protect-prompt")
+            raise ConfigError(name, f"{what} cannot hold the protected {longest}-token prompt plus one slot beside the "
+                                    f"recent window of r={buffer}; use T >= {longest + 1 + buffer}, a smaller "
+                                    "compression, or --no-protect-prompt")
 
 
 # -- main ---------------------------------------------------------------------------------------------
-def default_out(model_name: str, task: str, args) -> Path:
-    sampling = f"-T{args.temperature:g}-p{args.top_p:g}" if args.temperature > 0 else ""
-    return (Path("data/results/accuracy") /
-            f"{Path(str(model_name)).name}-{task}-r{args.buffer}-n{args.max_new_tokens}{sampling}-s{args.seed}.jsonl")
+def default_name(model_name: str, task: str, config) -> str:
+    sampling = f"-T{config.temperature:g}-p{config.top_p:g}" if config.temperature > 0 else ""
+    return f"{Path(str(model_name)).name}-{task}-r{config.buffer}-n{config.max_new_tokens}{sampling}-s{config.seed}.jsonl"
 
 
 def repo_relative(path: Optional[str]) -> Optional[str]:
@@ -497,78 +409,77 @@ def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -
             "model": model_name, "task": task, "buffer": args.buffer,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "seed": args.seed, "batch": args.batch, "thinking": thinking, "data": repo_relative(args.data),
-            "stats": stats, "policy_options": args.options, "revision": git_revision()}
+            "stats": stats, "policy_options": args.options}
 
 
-def main(argv=None, loaded=None) -> int:
-    """The command line; ``loaded=(model, tokenizer)`` reuses a loaded model (``--model`` still names it)."""
-    p = accuracy_parser()
-    args = p.parse_args(argv)
-    check_args(p, args)
-    task = get_task(args.task)
-    if args.protocol == "grid" and args.runs_given is None:
-        args.runs = task.paper_runs or args.runs
-    args.buffer = args.buffer or task.buffer
-    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    budgets = args.budget or [task.budget]
-    args.options = policy_options(p, args.policy_option, task.policy_options)
+def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
+    """Generate and grade every pending (arm, run, problem); ``(resolved config, results file, this run's rows)``."""
+    task = get_task(config.task)
     try:
-        problems = load_problems(task, args.data, args.problems or task.problems)
+        problems = load_problems(task, config.data, config.problems or task.problems)
     except TaskDataError as exc:
-        p.error(str(exc))
-    model, tok = loaded or randattn.load_model(args.model, device=args.device)
-    model_name = args.model or randattn.DEFAULT_MODEL
-    if args.protocol == "grid" and not args.sampling_given:
-        args.temperature, args.top_p = model_card_sampling(model)
-    stats = args.stats or (randattn.DEFAULT_MODEL if args.model is None else None)
+        raise ConfigError("data", str(exc)) from None
+    raw, config = config, config.resolved()  # the task's defaults, checked before the model loads
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    if config.protocol == "grid" and raw.temperature is None:
+        config = raw.resolved(model)  # the grid samples with the model card's settings
+    model_name = config.model or randattn.DEFAULT_MODEL
+    stats = config.stats or (randattn.DEFAULT_MODEL if config.model is None else None)
     prompts = [problem_ids(tok, prob) for prob in problems]
     longest = max(len(x) for x in prompts)
-    config = results_config(model_name, task.name, args, thinking=has_thinking_mode(tok), stats=stats)
-    out = Path(args.out) if args.out else default_out(model_name, task.name, args)
+    record = results_config(model_name, task.name, config, thinking=has_thinking_mode(tok), stats=stats)
+    record.update(run_record(model))
+    path = out_folder("accuracy", config.out) / default_name(model_name, task.name, config)
     try:
-        rf = ResultsFile(out, config, KEY, restart=args.restart)
-    except ValueError as exc:
-        p.error(str(exc))
+        rf = ResultsFile(path, record, KEY, restart=config.restart)
+    except (ValueError, PermissionError) as exc:
+        raise ConfigError("out", str(exc)) from None
     ids = {prob.id for prob in problems}
     print(f"model {model_name} | task {task.name}: {len(problems)} problems, prompts {min(map(len, prompts))}-{longest} "
-          f"tokens{', thinking mode' if config['thinking'] else ''} | r={args.buffer}, max {args.max_new_tokens} new "
-          f"tokens, {'greedy' if args.temperature == 0 else f'T={args.temperature}, top-p {args.top_p}'}, "
-          f"{args.runs} runs | protocol {args.protocol}"
-          + (f" | policy options {args.options}" if args.options else ""))
-    policies = [x for x in args.policy if x != FULL]
-    if args.compression is None:
-        arms = protocol_arms(args.protocol, policies, dict.fromkeys(budgets))
-        check_prompt_fits(p, arms, longest, args.buffer)
-    if args.compression is not None or FULL in args.policy:
-        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], args, p, stats)
-    if args.compression is not None:
-        mean_len, budgets = sweep_budgets([r for r in rf.rows if r["problem"] in ids], args.compression)
+          f"tokens{', thinking mode' if record['thinking'] else ''} | r={config.buffer}, max {config.max_new_tokens} "
+          f"new tokens, {'greedy' if config.temperature == 0 else f'T={config.temperature}, top-p {config.top_p}'}, "
+          f"{config.runs} runs | protocol {config.protocol}"
+          + (f" | policy options {config.options}" if config.options else ""))
+    policies = [x for x in config.policy if x != FULL]
+    budgets = config.budget or (task.budget,)
+    arms = []
+    if config.compression is None:
+        arms = protocol_arms(config.protocol, policies, dict.fromkeys(budgets))
+        check_prompt_fits(arms, longest, config.buffer)
+    if config.compression is not None or FULL in config.policy:
+        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], config, stats)
+    if config.compression is not None:
+        mean_len, sweep = sweep_budgets([r for r in rf.rows if r["problem"] in ids], list(config.compression))
         print(f"full attention: mean generation length {mean_len:.1f} tokens -> "
-              + ", ".join(f"{c:g}x: K={k}" for c, k in budgets.items()))
-        firsts = {k: c for c, k in reversed(list(budgets.items()))}  # two factors rounding to one K run once
-        arms = protocol_arms(args.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
-        check_prompt_fits(p, arms, longest, args.buffer)
-    run_arms(rf, model, tok, task, problems, prompts, arms, args, p, stats)
-    rows = [r for r in rf.rows if r["problem"] in ids and r["run"] < args.runs]
-    table = summarize(rows, seed=args.seed)
-    gains = protection_gains(rows, seed=args.seed)
-    print_summary(table, gains, args.protocol)
-    results = table_results(rows, task.name)
+              + ", ".join(f"{c:g}x: T={k}" for c, k in sweep.items()))
+        firsts = {k: c for c, k in reversed(list(sweep.items()))}  # two factors rounding to one T run once
+        arms = protocol_arms(config.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
+        check_prompt_fits(arms, longest, config.buffer)
+    run_arms(rf, model, tok, task, problems, prompts, arms, config, stats)
+    return config, rf, [r for r in rf.rows if r["problem"] in ids and r["run"] < config.runs]
+
+
+def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
+    table = summarize(rows, seed=config.seed)
+    gains = protection_gains(rows, seed=config.seed)
+    print_summary(table, gains, config.protocol)
+    results = table_results(rows, config.task)
     if any(m == "random" for m, _ in results):
-        print("\n" + comparison_table(results, reference="random", seed=args.seed)
+        print("\n" + comparison_table(results, reference="random", seed=config.seed)
               + "(accuracy, and in brackets the difference from random; * = significant by both the paired bootstrap "
                 "CI and the exact sign test)")
-    paths = write_outputs(out, rows, table, gains, task.name)
+    paths = write_outputs(rf.path, rows, table, gains, config.task)
     warning = warn_uncompressed(table)
     if warning:
         print("\n" + warning)
-    print(f"\nrows: {out}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
-    if not args.no_figure:
-        from figures.accuracy import plot
+    print(f"\nrows: {rf.path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    if not config.no_figure:
+        problems = ",".join(sorted({r["problem"] for r in rows}))
+        cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs))
 
-        for f in plot(out, args.figure_dir, problems=sorted(ids), runs=args.runs):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

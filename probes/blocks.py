@@ -17,9 +17,9 @@ The paper (Qwen3-4B, K=1024): blocks of 1..64 cost almost nothing; 256 (4 blocks
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +27,13 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.stats import mean_ci
+from randattn.analysis.planted import nll_deltas, summarize
 
-from .common import positive_int
+from . import cli
+from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import describe, planted_parser, run_conditions, setup, summarize, write_csv
-from .results import ResultsFile
+from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
+from .results import ResultsFile, protection_tag
 
 
 def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
@@ -48,8 +49,8 @@ def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
 def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-token loss") -> list[dict]:
     """Mean next-token NLL per sequence under each arm (``{label: make_cache(batch_index)}``); resumable.
 
-    Scored from position K + r on, the first token whose context a round has touched."""
-    a = s.args
+    Scored from position T + r on, the first token whose context a round has touched."""
+    a = s.config
     config = {**{k: v for k, v in s.results.config.items() if k not in ("policy", "policy_options", "distance",
                                                                           "box_width", "n_facts")},
               "part": "nll", "length": length}
@@ -74,91 +75,97 @@ def full_attention(length: int):
     return lambda bi: randattn.EvictingCache("random", budget=length + 1, buffer=1, protect_prompt=False)
 
 
-def nll_deltas(rows: list[dict], arms: list[str], reference: str = "full", seed: int = 0) -> dict:
-    """``{arm: Estimate of mean (NLL_arm - NLL_reference)}`` paired by sequence."""
-    by = {}
-    for r in rows:
-        by.setdefault(r["arm"], {})[r["sequence"]] = r["nll"]
-    out = {}
-    for arm in arms:
-        common = sorted(set(by.get(arm, {})) & set(by.get(reference, {})))
-        if common:
-            out[arm] = mean_ci([by[arm][i] - by[reference][i] for i in common], seed=seed)
-    return out
+@dataclass
+class Config(PlantedConfig):
+    """Random eviction in contiguous blocks (``python -m probes.blocks``)."""
+
+    instances: int = option(24, "planted-fact instances per block size", check=POSITIVE)
+    policy: str = option("random-block", "fixed: random-block", cli=False)
+    blocks: tuple[int, ...] = option((1, 4, 16, 64, 256), "block sizes (tokens)", check=POSITIVE)
+    sequences: int = option(16, "trace sequences for the next-token loss", check=POSITIVE)
+    length: int = option(1024, "tokens per trace sequence", check=POSITIVE)
+    skip_nll: bool = option(False, "skip the next-token-loss part")
+    skip_planted: bool = option(False, "skip the planted-fact part")
+
+    def check(self) -> None:
+        super().check()
+        if self.length <= self.budget + self.buffer:
+            raise ConfigError("length", f"{self.length} must exceed T + r = {self.budget + self.buffer} so that rounds "
+                                        "run")
 
 
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0], instances=24)
-    p.add_argument("--blocks", type=positive_int, nargs="+", default=[1, 4, 16, 64, 256], help="block sizes (tokens)")
-    p.add_argument("--sequences", type=positive_int, default=16, help="trace sequences for the next-token loss")
-    p.add_argument("--length", type=positive_int, default=1024, help="tokens per trace sequence")
-    p.add_argument("--skip-nll", action="store_true", help="skip the next-token-loss part")
-    p.add_argument("--skip-planted", action="store_true", help="skip the planted-fact part")
-    args = p.parse_args(argv)
-    if args.policy != "random":
-        p.error("--policy is fixed to random-block by this probe; drop the flag")
-    if args.length <= args.budget + args.buffer:
-        p.error(f"--length {args.length} must exceed K + r = {args.budget + args.buffer} so that rounds run")
-    loaded = None
-    table, planted = [], {}
-    base_dir = Path(args.out) if args.out else Path("data/results/blocks")
-    for b in args.blocks:
-        sub = argparse.Namespace(**{**vars(args), "policy": "random-block", "out": None})
-        s = setup("blocks", sub, p, policy_options={"block": b}, loaded=loaded,
-                  out=None if not args.out else base_dir / f"planted-block{b}.jsonl")
+def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict]]:
+    """Planted rows per block size (``{block: rows}``) and the next-token-loss rows; resumable."""
+    loaded = None if model is None else (model, tokenizer)
+    planted = {}
+    s = None
+    for b in config.blocks:
+        s = setup("blocks", config, policy_options={"block": b}, loaded=loaded)
         loaded = (s.model, s.tok)
-        if b == args.blocks[0]:
+        if b == config.blocks[0]:
             print(describe(s))
-        if not args.skip_planted:
-            w = args.box_width
+        if not config.skip_planted:
+            w = config.box_width
             conds = [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w),
                      Condition.policy("policy")]
-            rows = run_conditions(s, conds, desc=f"blocks: planted fact, block {b}")
-            planted[b] = summarize(rows, ["policy", "all", "deleted"], seed=args.seed)
-    deltas = {}
-    if not args.skip_nll:
-        model = Path(str(s.results.config["model"])).name
-        out = base_dir / f"nll-{model}-K{args.budget}-r{args.buffer}-L{args.length}-s{args.seed}.jsonl"
-        a = args
-        arms = {"full": full_attention(args.length)}
-        for b in args.blocks:
+            planted[b] = run_conditions(s, conds, desc=f"blocks: planted fact, block {b}")
+    nll = []
+    if not config.skip_nll:
+        a = config
+        arms = {"full": full_attention(config.length)}
+        for b in config.blocks:
             arms[f"block{b}"] = (lambda b: lambda bi: randattn.EvictingCache(
                 "random-block", block=b, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
                 seed=a.seed * 1_000_003 + bi))(b)
-        rows = run_nll(s, arms, args.sequences, args.length, out, desc="blocks: next-token loss")
-        deltas = {int(k[5:]): v for k, v in nll_deltas(rows, list(arms)[1:], seed=args.seed).items()}
-        full = np.mean([r["nll"] for r in rows if r["arm"] == "full"])
-        print(f"\nnext-token loss over {args.sequences} trace sequences of {args.length} tokens (scored from position "
-              f"{args.budget + args.buffer}); full attention {full:.3f} nats/token")
+        nll = run_nll(s, arms, config.sequences, config.length, nll_path(s), desc="blocks: next-token loss")
+    return s, planted, nll
+
+
+def nll_path(s: Session) -> Path:
+    a = s.config
+    model = Path(str(s.results.config["model"])).name
+    return (s.results.path.parent
+            / f"nll-{model}-K{a.budget}-r{a.buffer}-L{a.length}-s{a.seed}-{protection_tag(a.protect_prompt)}.jsonl")
+
+
+def report(s: Session, planted: dict, nll: list[dict]) -> None:
+    a = s.config
+    summaries = {b: summarize(rows, ["policy", "all", "deleted"], seed=a.seed) for b, rows in planted.items()}
+    deltas = {}
+    if nll:
+        deltas = {int(k[5:]): v for k, v in nll_deltas(nll, [f"block{b}" for b in a.blocks], seed=a.seed).items()}
+        full = np.mean([r["nll"] for r in nll if r["arm"] == "full"])
+        print(f"\nnext-token loss over {a.sequences} trace sequences of {a.length} tokens (scored from position "
+              f"{a.budget + a.buffer}); full attention {full:.3f} nats/token")
     print(f"\n{'block':>6} {'blocks/head':>11}  {'dNLL vs full [95% CI]':<28} {'R of a fact left to it':<24} "
           f"{'retrieval':<22}")
-    for b in args.blocks:
+    table = []
+    for b in a.blocks:
         d = deltas.get(b)
-        pl = planted.get(b, {}).get("policy")
-        row = {"block": b, "blocks_per_head": args.budget / b, "model": s.results.config["model"], "budget": args.budget,
-               "buffer": args.buffer, "distance": args.distance, "policy": "random-block", "seed": args.seed,
-               "protect_prompt": args.protect_prompt, "length": args.length, "sequences": args.sequences}
+        pl = summaries.get(b, {}).get("policy")
+        row = {"block": b, "blocks_per_head": a.budget / b, "model": s.results.config["model"], "budget": a.budget,
+               "buffer": a.buffer, "distance": a.distance, "policy": "random-block", "seed": a.seed,
+               "protect_prompt": a.protect_prompt, "length": a.length, "sequences": a.sequences}
         if d is not None:
             row.update(d.as_dict("delta_nll"))
         if pl is not None:
             row.update(pl.recall.as_dict("recall"))
             row.update(pl.retrieval.as_dict("retrieval"))
-            row["retrieval_all"] = planted[b]["all"].retrieval.value
+            row["retrieval_all"] = summaries[b]["all"].retrieval.value
             row["n_instances"] = pl.n
         table.append(row)
-        print(f"{b:>6} {args.budget / b:>11.1f}  {format(d, '.4f') if d else '-':<28} "
+        print(f"{b:>6} {a.budget / b:>11.1f}  {format(d, '.4f') if d else '-':<28} "
               f"{format(pl.recall, '.3f') if pl else '-':<24} {format(pl.retrieval, '.3f') if pl else '-':<22}")
-    base_dir.mkdir(parents=True, exist_ok=True)
     model = Path(str(s.results.config["model"])).name
-    summary = write_csv(base_dir / f"summary-{model}-K{args.budget}-r{args.buffer}-d{args.distance}-s{args.seed}.csv",
-                        table)
-    print(f"\nsummary: {summary}")
-    if not args.no_figure:
-        from figures.blocks import plot
+    path = write_csv(s.results.path.parent / f"summary-{model}-K{a.budget}-r{a.buffer}-d{a.distance}-s{a.seed}-"
+                     f"{protection_tag(a.protect_prompt)}.csv", table)
+    print(f"\nsummary: {path}")
+    if not a.no_figure:
+        cli.draw("blocks", path, a.figure_dir)
 
-        for f in plot(summary, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

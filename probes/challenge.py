@@ -26,17 +26,20 @@ test both exclude no difference (the paper's rule), else indistinguishable. Ever
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import randattn
 
+from . import cli
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
-from .common import base_parser, check_policies, policy_slug, positive_int
-from .planted_run import write_csv
+from .common import policy_slug
+from .config import POSITIVE, ConfigError, RunConfig, option
+from .planted_run import _check_policy, load, write_csv
 from .results import NotOurFile, OutputFolder, git_revision
 from .tasks import TASKS
 
@@ -51,36 +54,74 @@ SIZES = {  # default: well under an hour on the embedded model on 2 CPUs; --quic
 SIGNIFICANCE_TESTS = ("accuracy", "question recall", "planted fact", "passcode")
 
 
-def challenge_parser() -> argparse.ArgumentParser:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--policy", required=True, help="your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a "
-                                                   "registered name")
-    p.add_argument("--baselines", nargs="*", default=[], help="named selectors run alongside, also against Random "
-                                                              "(e.g. snapkv rkv triattention)")
-    p.add_argument("--budget", type=positive_int, default=256, help="T: pairs each KV head holds right after a round, the newest r among them")
-    p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
-    p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
-                   help="score only: the prompt competes with everything else, for every policy (default: protected)")
-    p.add_argument("--task", default="copy", help=f"accuracy task: one of {', '.join(TASKS)}")
-    p.add_argument("--data", default=None, help="local JSONL of problems for --task (see probes/tasks.py)")
-    p.add_argument("--stats", default=None, help="TriAttention statistics for --model (python -m randattn.calibrate)")
-    p.add_argument("--traces", default=None, help="JSONL with 'question' and 'text' per row: the real reasoning "
-                                                  "traces the probes plant into (default: the embedded model's)")
-    p.add_argument("--quick", action="store_true", help="small sizes: minutes instead of tens of minutes")
-    p.add_argument("--only", nargs="+", choices=list(PARTS), default=None, help="run only these parts")
-    p.add_argument("--skip", nargs="+", choices=list(PARTS), default=[], help="skip these parts")
-    for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
-                       help=f"override the size '{name}' (default {SIZES['full'][name]}, --quick "
-                            f"{SIZES['quick'][name]})")
-    p.add_argument("--restart", action="store_true", help="start afresh: earlier results in --out are moved aside to --out.previous-N (never deleted)")
-    return p
+@dataclass
+class Config(RunConfig):
+    """The null-hypothesis challenge (``python -m probes.challenge --policy MODULE:CALLABLE``)."""
+
+    policy: str = option("", "your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered name (runs "
+                             "the file's code: load only selectors you trust)")
+    baselines: tuple[str, ...] = option((), "named selectors run alongside, also against Random (e.g. snapkv rkv "
+                                            "triattention)")
+    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
+                         check=POSITIVE)
+    buffer: int = option(16, "r: new pairs between rounds", check=POSITIVE)
+    protect_prompt: bool = option(True, "score only: the prompt competes with everything else, for every policy "
+                                        "(default: protected)")
+    task: str = option("copy", "accuracy task", choices=tuple(TASKS))
+    data: Optional[str] = option(None, "local JSONL of problems for --task (see probes/tasks.py)")
+    stats: Optional[str] = option(None, "TriAttention statistics for --model (python -m randattn.calibrate)")
+    traces: Optional[str] = option(None, "JSONL with 'question' and 'text' per row: the real reasoning traces the "
+                                         "probes plant into (default: the embedded model's)")
+    quick: bool = option(False, "small sizes: minutes instead of tens of minutes")
+    only: Optional[tuple[str, ...]] = option(None, "run only these parts", choices=tuple(PARTS))
+    skip: tuple[str, ...] = option((), "skip these parts", choices=tuple(PARTS))
+    problems: Optional[int] = option(None, f"override the size 'problems' (default {SIZES['full']['problems']}, "
+                                           f"--quick {SIZES['quick']['problems']})", check=POSITIVE)
+    runs: Optional[int] = option(None, f"override the size 'runs' (default {SIZES['full']['runs']}, --quick "
+                                       f"{SIZES['quick']['runs']})", check=POSITIVE)
+    instances: Optional[int] = option(None, f"override the size 'instances' (default {SIZES['full']['instances']}, "
+                                            f"--quick {SIZES['quick']['instances']})", check=POSITIVE)
+    passcode_instances: Optional[int] = option(None, "override the size 'passcode_instances' (default "
+                                                     f"{SIZES['full']['passcode_instances']}, --quick "
+                                                     f"{SIZES['quick']['passcode_instances']})", check=POSITIVE)
+    rounds: Optional[int] = option(None, f"override the size 'rounds' (default {SIZES['full']['rounds']}, --quick "
+                                         f"{SIZES['quick']['rounds']})", check=POSITIVE)
+    restart: bool = option(False, "start afresh: earlier results in --out are moved aside to --out.previous-N (never "
+                                  "deleted)")
+
+    def check(self) -> None:
+        if not self.policy:
+            raise ConfigError("policy", "give your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered "
+                                        "name")
+        if self.policy == REFERENCE:
+            raise ConfigError("policy", "random is the reference every selector is measured against; give your own "
+                                        "selector (MODULE:CALLABLE) or another registered name")
+        if self.buffer >= self.budget:
+            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        _check_policy("policy", self.policy)
+        for spec in self.baselines:
+            _check_policy("baselines", spec)
+        if not self.parts:
+            raise ConfigError("only", "--only/--skip leave no part to run")
+
+    @property
+    def parts(self) -> list[str]:
+        return [x for x in (self.only or PARTS) if x not in self.skip]
+
+    @property
+    def sizes(self) -> dict:
+        sizes = dict(SIZES["quick" if self.quick else "full"])
+        for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
+            if getattr(self, name) is not None:
+                sizes[name] = getattr(self, name)
+        return sizes
 
 
-def default_out(args) -> Path:
-    model = Path(str(args.model or randattn.DEFAULT_MODEL)).name
-    tags = ("" if args.protect_prompt else "-score-only") + ("-quick" if args.quick else "")
-    return Path("data/results/challenge") / f"{policy_slug(args.policy)}-{model}-K{args.budget}-r{args.buffer}{tags}"
+def default_out(config: Config) -> Path:
+    model = Path(str(config.model or randattn.DEFAULT_MODEL)).name
+    tags = ("" if config.protect_prompt else "-score-only") + ("-quick" if config.quick else "")
+    return (Path("data/results/challenge") /
+            f"{policy_slug(config.policy)}-{model}-K{config.budget}-r{config.buffer}{tags}")
 
 
 # -- printing ----------------------------------------------------------------------------------------------
@@ -154,64 +195,50 @@ def write_report(out: Path, rows: list[dict], policies: list[str], args, figures
 
 
 # -- main -------------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    p = challenge_parser()
-    args = p.parse_args(argv)
-    if args.policy == REFERENCE:
-        p.error("--policy random is the reference every selector is measured against; give your own selector "
-                "(MODULE:CALLABLE) or another registered name")
-    if args.task not in TASKS:
-        p.error(f"--task {args.task!r} unknown; choose from {', '.join(TASKS)}")
-    check_policies(p, "--policy", [args.policy])
-    check_policies(p, "--baselines", args.baselines)
-    policies = list(dict.fromkeys([args.policy, *args.baselines, REFERENCE]))
-    parts = [x for x in (args.only or PARTS) if x not in args.skip]
-    if not parts:
-        p.error("--only/--skip leave no part to run")
-    sizes = dict(SIZES["quick" if args.quick else "full"])
-    for name in ("problems", "runs", "instances", "passcode_instances", "rounds"):
-        if getattr(args, name) is not None:
-            sizes[name] = getattr(args, name)
-    folder = OutputFolder(Path(args.out) if args.out else default_out(args), restart=args.restart)
+def run(config: Config, model=None, tokenizer=None, argv=None) -> Path:
+    """Every part, the verdicts, the figures and the report into the output folder; returns the folder."""
+    policies = list(dict.fromkeys([config.policy, *config.baselines, REFERENCE]))
+    folder = OutputFolder(Path(config.out) if config.out else default_out(config), restart=config.restart)
     try:
         folder.check()  # before the model loads: a folder of someone else's files is refused, untouched
     except (NotOurFile, PermissionError) as exc:
-        p.error(str(exc))
+        raise ConfigError("out", str(exc)) from None
     out = folder.path
-
-    model, tok = randattn.load_model(args.model, device=args.device)
-    ctx = Context(args, p, model, tok, policies, out, sizes)
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    ctx = Context(config, model, tok, policies, out, config.sizes)
     for pol in policies:
-        error = preflight(model, tok, pol, protect=args.protect_prompt, options=ctx.options(pol))
+        error = preflight(model, tok, pol, protect=config.protect_prompt, options=ctx.options(pol))
         if error:
-            p.error(f"--policy {pol}: the selector failed a trial run on the model before any work started: {error}")
+            raise ConfigError("policy", f"{pol}: the selector failed a trial run on the model before any work "
+                                        f"started: {error}")
     folder.open()  # only now: --restart moves the old results aside (never deletes), after the trial run passed
     if folder.moved_to is not None:
         print(f"--restart: the earlier results are kept in {folder.moved_to}")
-    print(f"challenge: {args.policy} vs random{' (+ ' + ', '.join(args.baselines) + ')' if args.baselines else ''} | "
-          f"model {args.model or randattn.DEFAULT_MODEL} | K={args.budget}, r={args.buffer}, prompt "
-          f"{'protected' if args.protect_prompt else 'unprotected'} | parts {', '.join(parts)} | results in {out}")
-
+    print(f"challenge: {config.policy} vs random"
+          f"{' (+ ' + ', '.join(config.baselines) + ')' if config.baselines else ''} | model "
+          f"{config.model or randattn.DEFAULT_MODEL} | T={config.budget}, r={config.buffer}, prompt "
+          f"{'protected' if config.protect_prompt else 'unprotected'} | parts {', '.join(config.parts)} | results in "
+          f"{out}")
     rows: list[dict] = []
     verdict_csv = out / "verdict.csv"
-    for part in parts:
+    for part in config.parts:
         print(f"\n== {part} ==")
         rows += PARTS[part](ctx)
         write_csv(verdict_csv, rows)  # after every part, so a later failure loses nothing measured
-
     print_table(rows)
-    text = verdict_text(rows, [x for x in policies if x != REFERENCE], args)
-    print("\n" + "\n".join(text))
-    figures = [str(f) for f in (out.glob("*.png"))]
-    from figures.challenge import plot
-
-    figures = [str(f) for f in plot(verdict_csv, out)] + [f for f in figures if not f.endswith("challenge.png")]
-    (out / "verdict.json").write_text(json.dumps({pol: verdicts(rows, pol) for pol in policies if pol != REFERENCE},
-                                                 indent=1))
+    contenders = [x for x in policies if x != REFERENCE]
+    print("\n" + "\n".join(verdict_text(rows, contenders, config)))
+    figures = [str(f) for f in out.glob("*.png") if not f.name.startswith("challenge.")]
+    figures = cli.draw("challenge", verdict_csv, out) + figures
+    (out / "verdict.json").write_text(json.dumps({pol: verdicts(rows, pol) for pol in contenders}, indent=1))
     command = "python -m probes.challenge " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    report = write_report(out, rows, [x for x in policies if x != REFERENCE], args, figures, command)
+    report = write_report(out, rows, contenders, config, figures, command)
     print(f"\nverdict table: {verdict_csv}\nreport: {report}")
-    return 0
+    return out
+
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: run(c, argv=argv), argv, __doc__)
 
 
 if __name__ == "__main__":

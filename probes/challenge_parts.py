@@ -8,7 +8,6 @@ Parts with a significance verdict compare paired units (problems, instances) wit
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -24,25 +23,32 @@ import randattn
 from randattn import keepstats
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
-from . import accuracy, passcode, prompt_protection, survival
+from . import accuracy, cli, passcode, prompt_protection, survival
 from .common import policy_slug
 from .planted import Condition
-from .planted_run import DEFAULT_TRACES, lp_table, planted_parser, run_conditions, setup, summarize, write_csv
+from randattn.analysis.planted import lp_table, passcode_compare, summarize
+
+from .planted_run import PlantedConfig, run_conditions, setup, write_csv
+from .results import DEFAULT_TRACES
 
 REFERENCE = "random"
 
 
 @dataclass
 class Context:
-    """What every part needs: flags, the loaded model, the policies (the selector first, Random last), sizes."""
+    """What every part needs: the challenge's configuration, the loaded model, the policies (the selector first,
+    Random last), sizes."""
 
-    args: argparse.Namespace
-    parser: argparse.ArgumentParser
+    config: object  # probes.challenge.Config
     model: object
     tok: object
     policies: list[str]
     out: Path
     sizes: dict
+
+    @property
+    def args(self):
+        return self.config
 
     @property
     def loaded(self):
@@ -88,16 +94,13 @@ def _contenders(ctx: Context) -> list[str]:
 def accuracy_part(ctx: Context) -> list[dict]:
     """Generate and grade with probes.accuracy (full attention too, as the ceiling); paired by problem."""
     a, n = ctx.args, ctx.sizes
-    out = ctx.out / "accuracy.jsonl"
-    argv = ["--task", a.task, "--policy", "full", *ctx.policies, "--budget", str(a.budget), "--buffer", str(a.buffer),
-            "--runs", str(n["runs"]), "--problems", str(n["problems"]), "--out", str(out), "--figure-dir", str(ctx.out),
-            "--seed", str(a.seed), "--device", a.device]
-    argv += ["--model", a.model] if a.model else []
-    argv += ["--data", a.data] if a.data else []
-    argv += ["--stats", a.stats] if a.stats else []
-    argv += [] if a.protect_prompt else ["--no-protect-prompt"]
-    accuracy.main(argv, loaded=ctx.loaded)
-    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    acc = accuracy.Config(model=a.model, device=a.device, seed=a.seed, out=str(ctx.out), figure_dir=str(ctx.out),
+                          task=a.task, policy=("full", *ctx.policies), budget=(a.budget,), buffer=a.buffer,
+                          runs=n["runs"], problems=n["problems"], data=a.data, stats=a.stats,
+                          protect_prompt=a.protect_prompt)
+    resolved, rf, _ = accuracy.run(acc, *ctx.loaded)
+    accuracy.report(resolved, rf, _)
+    rows = rf.rows
     problems = {p.id for p in accuracy.load_problems(accuracy.get_task(a.task), a.data, n["problems"])}
     rows = [r for r in rows if r["problem"] in problems and r["run"] < n["runs"]]
     grades = accuracy.grades_by_arm(rows)
@@ -144,14 +147,10 @@ def question_part(ctx: Context) -> list[dict]:
 
 
 # -- the planted fact ----------------------------------------------------------------------------------
-def _planted_args(ctx: Context, policy: str, **over) -> argparse.Namespace:
+def _planted_config(ctx: Context, policy: str, **over) -> PlantedConfig:
     a = ctx.args
-    ns = planted_parser("challenge").parse_args([])
-    ns.model, ns.device, ns.seed, ns.traces = a.model, a.device, a.seed, a.traces
-    ns.budget, ns.buffer, ns.policy, ns.protect_prompt = a.budget, a.buffer, policy, a.protect_prompt
-    for k, v in over.items():
-        setattr(ns, k, v)
-    return ns
+    return PlantedConfig(model=a.model, device=a.device, seed=a.seed, traces=a.traces, budget=a.budget,
+                         buffer=a.buffer, policy=policy, protect_prompt=a.protect_prompt, **over)
 
 
 def planted_part(ctx: Context) -> list[dict]:
@@ -160,9 +159,8 @@ def planted_part(ctx: Context) -> list[dict]:
     n = ctx.sizes
     by_policy = {}
     for pol in ctx.policies:
-        ns = _planted_args(ctx, pol, distance=n["distance"], instances=n["instances"], batch=8)
-        s = setup("challenge_planted", ns, ctx.parser, loaded=ctx.loaded,
-                  out=ctx.out / "planted" / f"{policy_slug(pol)}.jsonl")
+        cfg = _planted_config(ctx, pol, distance=n["distance"], instances=n["instances"], batch=8)
+        s = setup("challenge_planted", cfg, loaded=ctx.loaded, out=ctx.out / "planted" / f"{policy_slug(pol)}.jsonl")
         w = s.builder.box_width
         conds = [Condition.heads("deleted", (), w), Condition.heads("all", range(s.n_heads), w), Condition.policy()]
         by_policy[pol] = run_conditions(s, conds, desc=f"planted fact: {pol}")
@@ -184,18 +182,17 @@ def planted_part(ctx: Context) -> list[dict]:
 def passcode_part(ctx: Context) -> list[dict]:
     """probes.passcode's needle asked after many rounds; paired by instance; references as in the probe."""
     n = ctx.sizes
-    ns = _planted_args(ctx, REFERENCE, instances=n["passcode_instances"], batch=8, box_width=20,
-                       out=str(ctx.out / "passcode"))
-    ns.rounds = n["rounds"]
-    base = ctx.out / "passcode"
-    rows_by_policy = passcode.run_policies(ns, ctx.parser, ctx.policies, base, loaded=ctx.loaded)
-    summary = passcode.compare(rows_by_policy, seed=ctx.args.seed)
+    a = ctx.args
+    cfg = passcode.Config(model=a.model, device=a.device, seed=a.seed, traces=a.traces, budget=a.budget,
+                          buffer=a.buffer, protect_prompt=a.protect_prompt, instances=n["passcode_instances"], batch=8,
+                          rounds=n["rounds"], policies=tuple(ctx.policies), out=str(ctx.out / "passcode"),
+                          no_figure=True)
+    rows_by_policy, sessions = passcode.run(cfg, *ctx.loaded)
+    summary = passcode_compare(rows_by_policy, seed=a.seed)
     config = {k: rows_by_policy[REFERENCE][0]["config"][k] for k in ("model", "budget", "buffer", "protect_prompt",
                                                                      "seed", "rounds")}
-    path = write_csv(base / "summary.csv", [{**r, **config} for r in summary])
-    from figures.passcode import plot
-
-    plot(path, ctx.out)
+    path = write_csv(ctx.out / "passcode" / "summary.csv", [{**r, **config} for r in summary])
+    cli.draw("passcode", path, ctx.out)
     cells = {pol: lp_table(rows)["policy"] for pol, rows in rows_by_policy.items()}
     full = next((r["retrieval"] for r in summary if r["policy"] == "full attention"), None)
     table = []

@@ -9,13 +9,18 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import randattn
 
-from .common import base_parser, check_policies, positive_int, ranges
+from . import cli
+from .common import ranges
+from .config import POSITIVE, ConfigError, RunConfig, option
+from .planted_run import _check_policy, load
 
 DEFAULT_PROMPT = (
     "A baker sells muffins for $3 and cookies for $2. On Monday she sells 14 muffins and twice as many "
@@ -24,19 +29,40 @@ DEFAULT_PROMPT = (
 )
 
 
-def main(argv=None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--policy", default="random", help=f"one of {', '.join(randattn.known_policies())}")
-    p.add_argument("--budget", type=positive_int, default=128, help="T: pairs each KV head holds right after a round, the newest r among them")
-    p.add_argument("--buffer", type=positive_int, default=32, help="r: new pairs between rounds")
-    p.add_argument("--max-new-tokens", type=positive_int, default=320)
-    p.add_argument("--no-protect-prompt", action="store_true", help="let the prompt be evicted too")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--layers", default="0,15,-1", help="layers whose per-head evictions are printed")
-    args = p.parse_args(argv)
-    check_policies(p, "--policy", [args.policy])
+@dataclass
+class Config(RunConfig):
+    """Generate with an evicting cache and show what each KV head evicted (``python -m probes.demo``)."""
 
-    model, tok = randattn.load_model(args.model, device=args.device)
+    out: Optional[str] = option(None, "write the text, the cache's statistics (.json) and the keep-log (.npz) here "
+                                      "(a path without suffix)")
+    policy: str = option("random", "the eviction policy")
+    budget: int = option(128, "T: pairs each KV head holds right after a round, the newest r among them",
+                         check=POSITIVE)
+    buffer: int = option(32, "r: new pairs between rounds", check=POSITIVE)
+    max_new_tokens: int = option(320, "tokens to generate", check=POSITIVE)
+    protect_prompt: bool = option(True, "let the prompt be evicted too")
+    prompt: str = option(DEFAULT_PROMPT, "the user message")
+    layers: tuple[int, ...] = option((0, 15, -1), "layers whose per-head evictions are printed (negative: from the "
+                                                  "last)")
+
+    def check(self) -> None:
+        if self.buffer >= self.budget:
+            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        _check_policy("policy", self.policy)
+
+
+def main(argv=None) -> int:
+    return cli.main(Config, run, argv, __doc__)
+
+
+def run(config: Config, model=None, tokenizer=None) -> int:
+    args = config
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    n_layers = model.config.num_hidden_layers
+    bad = [layer for layer in config.layers if not -n_layers <= layer < n_layers]
+    if bad:
+        raise ConfigError("layers", f"{bad} out of range: the model has {n_layers} layers (0..{n_layers - 1}, or "
+                                    f"-1..-{n_layers} from the last)")
     msgs = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ids = ids.to(model.device)
@@ -45,13 +71,13 @@ def main(argv=None) -> int:
         options["stats"] = randattn.DEFAULT_MODEL  # the embedded model's statistics ship with the package
     try:
         cache = randattn.EvictingCache(
-            args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=not args.no_protect_prompt,
+            args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=args.protect_prompt,
             seed=args.seed, keep_log=True, **options,
         )
         if cache.protect_prompt:
             cache._check_prompt_fits(ids.shape[1])
     except ValueError as exc:
-        p.error(str(exc))
+        raise ConfigError("budget", str(exc)) from None
     t0 = time.perf_counter()
     out = randattn.generate(
         model, ids, cache, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False
@@ -62,7 +88,7 @@ def main(argv=None) -> int:
 
     print(f"model: {model.config.model_type}, {model.config.num_hidden_layers} layers, "
           f"{model.config.num_key_value_heads} KV heads | policy={args.policy} K={args.budget} r={args.buffer} "
-          f"protect_prompt={not args.no_protect_prompt} prompt={ids.shape[1]} tokens")
+          f"protect_prompt={args.protect_prompt} prompt={ids.shape[1]} tokens")
     print("-" * 100)
     print(text.strip())
     print("-" * 100)
@@ -71,10 +97,9 @@ def main(argv=None) -> int:
           f"eviction rounds per layer: {cache.events[0]} (all layers: {sorted(set(cache.events))}); "
           f"time in rounds: {100 * cache.round_seconds / seconds:.1f}% of decode")
     if cache.total_events == 0:
-        print("no eviction round ran: the sequence never reached K + r; lower --budget or raise --max-new-tokens")
-    n_layers = len(cache.layers)
-    for spec in args.layers.split(","):
-        layer = int(spec) % n_layers
+        print("no eviction round ran: the sequence never reached T + r; lower --budget or raise --max-new-tokens")
+    for spec in args.layers:
+        layer = spec % n_layers
         pos = cache.positions(layer)[0].cpu()
         print(f"\nlayer {layer}: evicted positions per KV head (kept {pos.shape[-1]} of {seq})")
         for h in range(pos.shape[0]):

@@ -25,13 +25,16 @@ import torch
 import randattn
 from randattn.traces import load_traces
 
+from randattn.analysis.planted import passcode_compare
+
 from . import accuracy as acc
-from .common import policy_slug
+from . import cli
 from .grid_spec import Spec, SpecError, Unit, embedded_name, stable_id
-from .passcode import FACT, INSTRUCTION, QUERY, compare, passcode_distance
+from .passcode import FACT, INSTRUCTION, QUERY, passcode_distance
 from .planted import Condition, InstanceBuilder, fact_metrics, model_shape, run_batch
-from .planted_run import DEFAULT_TRACES, Session, write_csv
-from .results import REPO_ROOT, ResultsFile, check_ours, git_revision
+from .planted_run import PlantedConfig, Session, write_csv
+from .planted_run import _slug as planted_slug
+from .results import DEFAULT_TRACES, ResultsFile, check_ours, protection_tag, run_record, trace_label
 from .tasks import Problem, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
 
@@ -114,18 +117,19 @@ def plan_accuracy(spec: Spec, models: dict) -> Plan:
                             acc.Arm(pol, k, protect), prompt_len=longest, max_new_tokens=1, buffer=buffer, seed=0,
                             stats=stats, options=options))
             for seed in spec.seeds:
-                args = SimpleNamespace(buffer=buffer, max_new_tokens=spec.max_new_tokens or task.max_new_tokens,
-                                       temperature=spec.temperature, top_p=spec.top_p, seed=seed, batch=spec.batch,
-                                       data=spec.data, options=options)
+                # The same configuration a command line builds, so the grid's rows are the command line's rows.
+                args = acc.Config(model=model, task=task.name, buffer=buffer, max_new_tokens=spec.max_new_tokens,
+                                  temperature=spec.temperature, top_p=spec.top_p, seed=seed, batch=spec.batch,
+                                  data=spec.data).resolved().replace(options=options)
                 config = acc.results_config(model, task.name, args, thinking=has_thinking_mode(tok), stats=stats)
-                path = f"accuracy/{acc.default_out(model, task.name, args).name}"
+                path = f"accuracy/{acc.default_name(model, task.name, args)}"
                 output = Output(path, "accuracy", config, acc.KEY, group=path, meta={
                     "task": task.name, "seed": seed, "runs": spec.runs, "problems": [p.id for p in problems]})
                 plan.outputs.append(output)
                 arms = ([acc.Arm(acc.FULL, None, None)] if acc.FULL in spec.policies else []) + [
                     acc.Arm(pol, k, protect) for protect in spec.protect_prompt
                     for k in spec.budgets or [task.budget] for pol in policies]
-                gen = {k: getattr(args, k) for k in ("buffer", "max_new_tokens", "temperature", "top_p", "options")}
+                gen = asdict(acc.Generation.of(args))
                 # A fresh single-machine run's batches, so its rows and the grid's are the same rows.
                 runs_of = lambda arm: acc.runs_for(arm, spec.runs, spec.temperature)  # noqa: E731
                 for arm, run, idx in acc.pending_batches(arms, problems, prompts, runs_of, set(), spec.batch):
@@ -144,7 +148,7 @@ def run_accuracy(model, tok, unit: Unit) -> tuple[list[list[dict]], int]:
     """Generate and grade one unit; rows per item and the tokens generated."""
     w = unit.work
     task, arm = get_task(w["task"]), acc.Arm(*w["arm"])
-    outs = acc.generate_batch(model, tok, w["prompts"], arm, seed=w["seed"], args=SimpleNamespace(**w["gen"]),
+    outs = acc.generate_batch(model, tok, w["prompts"], arm, seed=w["seed"], args=acc.Generation(**w["gen"]),
                               stats=w["stats"])
     rows = [acc.graded_row(task, Problem(**p), arm, w["run"], w["seed"], o) for p, o in zip(w["problems"], outs)]
     return [[r] for r in rows], sum(r["gen_len"] for r in rows)
@@ -158,15 +162,14 @@ def merge_accuracy(outputs: list[Output], rows: dict, out_dir: Path, figures: bo
     table = acc.summarize(rows[o.path], seed=o.meta["seed"])
     gains = acc.protection_gains(rows[o.path], seed=o.meta["seed"])
     print(f"\n== {path}")
-    acc.print_summary(table, gains)
+    acc.print_summary(table, gains, o.config.get("protocol"))
     paths = [path, *acc.write_outputs(path, rows[o.path], table, gains, o.meta["task"]).values()]
     warning = acc.warn_uncompressed(table)
     if warning:
         print(warning)
     if figures:
-        from figures.accuracy import plot
-
-        paths += plot(path, out_dir / "figures", name=path.stem, problems=o.meta["problems"], runs=o.meta["runs"])
+        paths += cli.draw("accuracy", path, out_dir / "figures", "--problems", ",".join(o.meta["problems"]), "--runs",
+                          str(o.meta["runs"]))
     return paths
 
 
@@ -177,8 +180,7 @@ def plan_passcode(spec: Spec, models: dict) -> Plan:
         texts = load_traces(traces)
     except (FileNotFoundError, ValueError) as exc:
         raise SpecError(f"traces: {exc}") from None
-    trace_label = str(traces.resolve().relative_to(REPO_ROOT)) if traces.resolve().is_relative_to(REPO_ROOT) \
-        else str(traces)
+    label = trace_label(traces)
     plan = Plan([], [])
     for model in spec.models:
         tok, (n_heads, n_layers) = models[model]
@@ -193,7 +195,7 @@ def plan_passcode(spec: Spec, models: dict) -> Plan:
             for r in spec.buffers or [16]:
                 for rounds in spec.rounds:
                     for seed in spec.seeds:
-                        _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options, n_heads, n_layers,
+                        _plan_passcode_geometry(plan, spec, model, tok, texts, label, options, n_heads, n_layers,
                                                 k, r, rounds, seed)
     return plan
 
@@ -211,10 +213,10 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
                         f"{builder.length - len(builder.stub)}; give longer traces or fewer rounds")
     instances = [builder.build(i) for i in range(spec.instances)]
     for protect in spec.protect_prompt:
-        if protect and len(builder.stub) + 1 > k:
-            raise SpecError(f"budgets: K={k} cannot hold the {len(builder.stub)}-token protected stub prompt; use "
-                            f"K >= {len(builder.stub) + 1} or protect_prompt = false")
-        name = f"{Path(model).name}-K{k}-r{r}-n{rounds}-s{seed}{'' if protect else '-unprotected'}"
+        if protect and len(builder.stub) + 1 > k - r:
+            raise SpecError(f"budgets: T={k} cannot hold the {len(builder.stub)}-token protected stub prompt beside the "
+                            f"recent window of r={r}; use T >= {len(builder.stub) + 1 + r} or protect_prompt = false")
+        name = f"{Path(model).name}-K{k}-r{r}-n{rounds}-s{seed}-{protection_tag(protect)}"
         group = f"passcode/{name}"  # probes.passcode's --out DIR, with its summary-<name>.csv
         for policy in spec.policies:
             _cache_check(f"policies: {policy} at K={k}, r={r}", lambda: randattn.EvictingCache(
@@ -224,10 +226,12 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
                       "distance": distance, "box_width": spec.box_width, "policy": policy,
                       "policy_options": {o: v for o, v in options[policy].items() if o != "stats"},
                       "protect_prompt": protect, "seed": seed, "batch": spec.batch, "n_facts": 1, "kv_heads": n_heads,
-                      "layers": n_layers, "rounds": rounds, "revision": git_revision()}
-            output = Output(f"{group}/{policy_slug(policy)}.jsonl", "passcode", config,
+                      "layers": n_layers, "rounds": rounds, **run_record()}
+            output = Output(f"{group}/{planted_slug(config)}.jsonl", "passcode", config,
                             ("instance", "condition", "fact"), group,
-                            meta={"policy": policy, "seed": seed, "summary": f"{group}/summary-{name}.csv"})
+                            meta={"policy": policy, "seed": seed,
+                                  "summary": f"{group}/summary-{Path(model).name}-K{k}-r{r}-n{rounds}-s{seed}-"
+                                             f"{protection_tag(protect)}.csv"})
             plan.outputs.append(output)
             conditions = ["policy"] + (["kept", "full"] if policy == "random" and spec.references else [])
             session = {"policy": policy, "budget": k, "buffer": r, "protect_prompt": protect, "seed": seed}
@@ -261,8 +265,10 @@ def run_passcode(model, tok, unit: Unit) -> tuple[list[list[dict]], int]:
     n_heads, n_layers = model_shape(model)
     # Session.make_cache reads only these fields of the builder; the instances come ready-made from the driver.
     builder = SimpleNamespace(length=w["length"], box_width=w["box_width"])
-    s = Session("passcode", SimpleNamespace(**w["session"]), model, tok, builder, None, n_heads, n_layers,
-                dict(w["options"]))
+    se = w["session"]
+    config = PlantedConfig(policy=se["policy"], budget=se["budget"], buffer=se["buffer"],
+                           protect_prompt=se["protect_prompt"], seed=se["seed"])
+    s = Session("passcode", config, model, tok, builder, None, n_heads, n_layers, dict(w["options"]))
     conds = [Condition.policy("policy")]
     if "kept" in w["conditions"]:
         conds.append(Condition.heads("kept", range(n_heads), w["box_width"]))
@@ -281,7 +287,7 @@ def merge_passcode(outputs: list[Output], rows: dict, out_dir: Path, figures: bo
     for o in outputs:
         write_rows(out_dir / o.path, o, by_policy[o.meta["policy"]])
     first = outputs[0]
-    table = compare(by_policy, seed=first.meta["seed"])
+    table = passcode_compare(by_policy, seed=first.meta["seed"])
     config = {k: first.config[k] for k in ("model", "budget", "buffer", "protect_prompt", "seed", "rounds")}
     summary = write_csv(out_dir / first.meta["summary"], [{**r, **config} for r in table])
     print(f"\n== {summary.parent}: passcode after {config['rounds']} rounds, K={config['budget']}, "
@@ -292,9 +298,7 @@ def merge_passcode(outputs: list[Output], rows: dict, out_dir: Path, figures: bo
               f"  {t['mean_lp']:8.2f}")
     paths = [out_dir / o.path for o in outputs] + [summary]
     if figures:
-        from figures.passcode import plot
-
-        paths += plot(summary, out_dir / "figures", name=summary.stem)
+        paths += cli.draw("passcode", summary, out_dir / "figures")
     return paths
 
 

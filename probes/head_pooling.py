@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 
-from randattn.stats import bootstrap
+from randattn.analysis.planted import endpoint_check, pooling_findings, subset_label, summarize
 
-from .planted import Condition, subset_label, subsets
-from .planted_run import (describe, endpoint_check, lp_table, parity_check, planted_parser, print_table, run_conditions,
-                          setup, summarize, write_csv)
+from . import cli
+from .planted import Condition, subsets
+from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
 
 
 def pooling_conditions(n_heads: int, width: int, *, max_all_subsets: int = 8) -> list[Condition]:
@@ -43,78 +44,40 @@ def chain_conditions(order: list[int], n_heads: int, width: int) -> list[Conditi
     return out
 
 
-def superadditivity(rows, a: str, b: str, ab: str, seed: int = 0):
-    """R(a+b) - R(a) - R(b) with a bootstrap CI (all R share the denominator Σ(LP_all - LP_del))."""
-    t = lp_table(rows)
-    inst = sorted(set.intersection(*(set(t[c]) for c in (a, b, ab, "deleted", "all"))))
-    cols = [[t[c][i][0] for i in inst] for c in (ab, a, b, "deleted", "all")]
-    return bootstrap(lambda x_ab, x_a, x_b, d, al: (x_ab - x_a - x_b + d).sum(-1) / (al - d).sum(-1), *cols, seed=seed)
+@dataclass
+class Config(PlantedConfig):
+    """Head pooling: recall of a fact kept only in some KV heads (``python -m probes.head_pooling``)."""
 
 
-def analyse(rows, summaries, n_heads: int, seed: int = 0) -> list[str]:
-    lines = []
-    singles = [subset_label((h,), n_heads) for h in range(n_heads) if subset_label((h,), n_heads) in summaries]
-    useful = [n for n in singles if summaries[n].recall is not None and summaries[n].recall.lo > 0]
-    lines.append(f"useful alone (R's CI above 0): {', '.join(useful) if useful else 'none'} of {len(singles)} heads")
-    by_size: dict[int, tuple[str, float]] = {}
-    for name, s in summaries.items():
-        k = _size(name, n_heads)
-        if k is not None and (k not in by_size or s.retrieval.value > by_size[k][1]):
-            by_size[k] = (name, s.retrieval.value)
-    lines.append("best retrieval by number of heads holding the fact: "
-                 + "; ".join(f"{k}: {v:.2f} ({n})" for k, (n, v) in sorted(by_size.items())))
-    for a, b in itertools.combinations(range(n_heads), 2):
-        na, nb, nab = (subset_label(x, n_heads) for x in ((a,), (b,), (a, b)))
-        if all(n in summaries for n in (na, nb, nab)) and n_heads > 2:
-            est = superadditivity(rows, na, nb, nab, seed)
-            verdict = "superadditive" if est.lo > 0 else "subadditive" if est.hi < 0 else "additive within CI"
-            lines.append(f"R({nab}) - R({na}) - R({nb}) = {est:.3f}: {verdict}")
-    return lines
-
-
-def _size(name: str, n_heads: int):
-    if name == "deleted":
-        return 0
-    if name == "all":
-        return n_heads
-    if name.startswith("h"):
-        return len(name[1:].split("+"))
-    if name.startswith("best"):
-        return int(name[4:].split(":")[0])
-    return None
-
-
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    s = setup("head_pooling", args, p)
+def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
+    """Every head subset (and the best-k chain on models with more than 8 KV heads), resumable; ``(session, rows)``."""
+    s = setup("head_pooling", config, loaded=None if model is None else (model, tokenizer))
     print(describe(s))
-    width = args.box_width
-    conds = pooling_conditions(s.n_heads, width)
-    parity_check(s, conds[1], args.parity)
+    conds = pooling_conditions(s.n_heads, config.box_width)
+    parity_check(s, conds[1], config.parity)
     rows = run_conditions(s, conds, desc="head pooling")
-    summaries = summarize(rows, [c.name for c in conds], seed=args.seed)
     if s.n_heads > 8:
+        summaries = summarize(rows, [c.name for c in conds], seed=config.seed)
         singles = sorted(range(s.n_heads), key=lambda h: -summaries[subset_label((h,), s.n_heads)].recall.value)
-        chain = chain_conditions(singles, s.n_heads, width)
-        rows = rows + run_conditions(s, chain, desc="best-k chain")
-        conds = conds + chain
-        summaries = summarize(rows, [c.name for c in conds], seed=args.seed)
+        rows = rows + run_conditions(s, chain_conditions(singles, s.n_heads, config.box_width), desc="best-k chain")
+    return s, rows
+
+
+def report(s: Session, rows: list[dict]) -> None:
+    names = list(dict.fromkeys(r["condition"] for r in rows))
+    summaries = summarize(rows, names, seed=s.config.seed)
     print()
     print_table(summaries)
     print()
-    for line in analyse(rows, summaries, s.n_heads, args.seed):
+    for line in pooling_findings(rows, summaries, s.n_heads, s.config.seed):
         print(line)
-    ok, text = endpoint_check(rows, seed=args.seed)
+    ok, text = endpoint_check(rows, seed=s.config.seed)
     print(text)
-    summary_path = write_csv(s.results.path.with_suffix(".summary.csv"), [x.as_row() for x in summaries.values()])
-    print(f"\nrows: {s.results.path}\nsummary: {summary_path}")
-    if not args.no_figure:
-        from figures.head_pooling import plot
+    finish(s, [x.as_row() for x in summaries.values()], "head_pooling")
 
-        for path in plot(s.results.path, args.figure_dir):
-            print(f"figure: {path}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,18 @@ SnapKV and TriAttention about 0: content-aware scores can find a needle Random c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from randattn.stats import mean_ci
+from randattn.analysis.planted import passcode_compare
 
-from .common import check_policies, policy_slug, positive_int
+from . import cli
+from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import PAPER, describe, lp_table, planted_parser, run_conditions, setup, write_csv
+from .planted_run import PAPER, PlantedConfig, _check_policy, describe, run_conditions, setup, write_csv
+from .results import protection_tag
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
@@ -40,48 +42,53 @@ def passcode_distance(rounds: int, buffer: int, box_width: int) -> int:
     return box_width + (rounds - 1) * buffer + 1
 
 
-def compare(rows_by_policy: dict, reference: str = "random", seed: int = 0) -> list[dict]:
-    """Per policy: retrieval and mean LP with CIs, and the paired differences against ``reference``."""
-    ref = lp_table(rows_by_policy[reference])["policy"] if reference in rows_by_policy else None
-    table = []
-    if reference in rows_by_policy:  # the instrument's ceiling: full attention, and the passcode pinned everywhere
-        t = lp_table(rows_by_policy[reference])
-        for name, label in (("full", "full attention"), ("kept", "pinned everywhere")):
-            if name in t:
-                inst = sorted(t[name])
-                table.append({"policy": label, "n": len(inst), "rounds": "-",
-                              **mean_ci([t[name][i][1] for i in inst], seed=seed).as_dict("retrieval"),
-                              **mean_ci([t[name][i][0] for i in inst], seed=seed).as_dict("mean_lp")})
-    for policy, rows in rows_by_policy.items():
-        cell = lp_table(rows)["policy"]
-        inst = sorted(cell)
-        rounds = sorted({r["rounds_after_fact"] for r in rows if r["condition"] == "policy"})
-        row = {"policy": policy, "n": len(inst), "rounds": "/".join(map(str, rounds)),
-               **mean_ci([cell[i][1] for i in inst], seed=seed).as_dict("retrieval"),
-               **mean_ci([cell[i][0] for i in inst], seed=seed).as_dict("mean_lp")}
-        if ref is not None and policy != reference:
-            common = [i for i in inst if i in ref]
-            row.update(mean_ci([cell[i][1] - ref[i][1] for i in common], seed=seed).as_dict("retrieval_vs_random"))
-            row.update(mean_ci([cell[i][0] - ref[i][0] for i in common], seed=seed).as_dict("lp_vs_random"))
-        table.append(row)
-    return table
+@dataclass
+class Config(PlantedConfig):
+    """The passcode needle: a fact stated once, asked after many rounds (``python -m probes.passcode``)."""
+
+    instances: int = option(16, "instances per policy (paired across policies)", check=POSITIVE)
+    box_width: int = option(20, "tokens of the passcode sentence box", check=POSITIVE)
+    protect_prompt: bool = option(True, "protect the stub prompt (as the paper's methods); --no-protect-prompt lets "
+                                        "it be evicted too")
+    policy: str = option("random", "set per policy from --policies", cli=False)
+    policies: tuple[str, ...] = option(tuple(POLICIES), "policies compared (all evict the passcode too)")
+    rounds: int = option(57, "eviction rounds between statement and answer", check=POSITIVE)
+    references: bool = option(True, "also run full attention and the passcode pinned everywhere (with random)",
+                              cli=False)
+
+    def __post_init__(self) -> None:
+        # The distance comes from the rounds, not from the planted probe's --paper geometry (T and r do).
+        if self.paper:
+            self.budget, self.buffer = PAPER["budget"], PAPER["buffer"]
+            self.paper = False
+        self.distance = passcode_distance(self.rounds, self.buffer, self.box_width)
+        super().__post_init__()
+
+    def check(self) -> None:
+        super().check()
+        for spec in self.policies:
+            _check_policy("policies", spec)
 
 
-def run_policies(args, parser, policies, base_dir: Path, loaded=None, references: bool = True) -> dict:
-    """Run the passcode instances under each policy (resuming finished rows); ``{policy: rows}``. With
-    ``references``, Random's file also gets full attention and the passcode pinned everywhere."""
-    args.distance = passcode_distance(args.rounds, args.buffer, args.box_width)
-    rows_by_policy = {}
-    for policy in policies:
-        sub = argparse.Namespace(**{**vars(args), "policy": policy, "out": None})
-        s = setup("passcode", sub, parser, loaded=loaded, extra_config={"rounds": args.rounds},
-                  out=base_dir / f"{policy_slug(policy)}.jsonl" if args.out else None,
+def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
+    """``({policy: rows}, {policy: session})``: the passcode instances under each policy (resuming finished rows);
+    with ``references``, Random's file also gets full attention and the passcode pinned everywhere."""
+    loaded = None if model is None else (model, tokenizer)
+    rows_by_policy, sessions = {}, {}
+    for policy in config.policies:
+        s = setup("passcode", config.replace(policy=policy), loaded=loaded, extra_config={"rounds": config.rounds},
                   builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False})
         if loaded is None:
-            print(describe(s).replace(f"distance {args.distance}", f"{args.rounds} rounds"))
+            print(describe(s).replace(f"distance {config.distance}", f"{config.rounds} rounds"))
+            fits = len(s.builder.stub) * config.protect_prompt + config.box_width + 1
+            if fits > config.budget - config.buffer:
+                raise ConfigError("budget", f"T={config.budget} cannot hold the passcode box ({config.box_width}) "
+                                            f"pinned beside the protected stub prompt ({len(s.builder.stub)}) and the "
+                                            f"recent window of r={config.buffer}; use --budget >= {fits + config.buffer}")
         loaded = (s.model, s.tok)
+        sessions[policy] = s
         rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")
-        if policy == "random" and references:
+        if policy == "random" and config.references:
             # Can the model retrieve the passcode at this distance at all? Full attention, and the passcode
             # pinned in every head while Random evicts the rest.
             kept = run_conditions(s, [Condition.heads("kept", range(s.n_heads), s.builder.box_width)],
@@ -89,31 +96,18 @@ def run_policies(args, parser, policies, base_dir: Path, loaded=None, references
             full = run_conditions(dataclasses.replace(s, no_eviction=True), [Condition.policy("full")],
                                   desc="passcode: full attention")
             rows_by_policy["random"] = rows_by_policy["random"] + kept + full
-    return rows_by_policy
+    return rows_by_policy, sessions
 
 
-def passcode_parser(description: str):
-    p = planted_parser(description, instances=16)
-    p.add_argument("--rounds", type=positive_int, default=57, help="eviction rounds between statement and answer")
-    p.add_argument("--no-protect-prompt", dest="protect_prompt", action="store_false",
-                   help="let the stub prompt be evicted too (default: protected, like the paper's methods)")
-    p.set_defaults(protect_prompt=True, box_width=20)
-    return p
+def summary_name(config: Config, model: str) -> str:
+    return (f"summary-{Path(str(model)).name}-K{config.budget}-r{config.buffer}-n{config.rounds}-s{config.seed}-"
+            f"{protection_tag(config.protect_prompt)}.csv")
 
 
-def main(argv=None) -> int:
-    p = passcode_parser(__doc__.splitlines()[0])
-    p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared (all evict the passcode too)")
-    args = p.parse_args(argv)
-    if args.paper:
-        args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
-        args.paper = False  # the distance comes from --rounds, not from the planted probe's geometry
-    check_policies(p, "--policies", args.policies)
-    base_dir = Path(args.out) if args.out else Path("data/results/passcode")
-    rows_by_policy = run_policies(args, p, args.policies, base_dir)
-    table = compare(rows_by_policy, seed=args.seed)
-    print(f"\npasscode stated once, asked after {args.rounds} rounds (K={args.budget}, r={args.buffer}, "
-          f"prompt {'protected' if args.protect_prompt else 'unprotected'}); 95% bootstrap CIs")
+def report(config: Config, rows_by_policy: dict, sessions: dict) -> None:
+    table = passcode_compare(rows_by_policy, seed=config.seed)
+    print(f"\npasscode stated once, asked after {config.rounds} rounds (T={config.budget}, r={config.buffer}, "
+          f"prompt {'protected' if config.protect_prompt else 'unprotected'}); 95% bootstrap CIs")
     print(f"{'policy':<17} {'n':>3} {'rounds':>7}  {'retrieval':<22} {'mean LP':<26} {'retrieval - random':<24}")
     for r in table:
         diff = (f"{r['retrieval_vs_random']:+.3f} [{r['retrieval_vs_random_lo']:+.3f}, {r['retrieval_vs_random_hi']:+.3f}]"
@@ -121,19 +115,17 @@ def main(argv=None) -> int:
         print(f"{r['policy']:<17} {r['n']:>3} {r['rounds']:>7}  {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, "
               f"{r['retrieval_hi']:.3f}]  {r['mean_lp']:7.2f} [{r['mean_lp_lo']:.2f}, {r['mean_lp_hi']:.2f}]  {diff}")
     print("paper (Qwen3-4B, 57 rounds): random .000, rkv .836, vase .344, snapkv ~0, triattention ~0")
-    config = {k: rows_by_policy[args.policies[0]][0]["config"][k] for k in ("model", "budget", "buffer", "protect_prompt",
-                                                                             "seed", "rounds")}
-    base_dir.mkdir(parents=True, exist_ok=True)
-    model = Path(str(config["model"])).name
-    path = write_csv(base_dir / f"summary-{model}-K{args.budget}-r{args.buffer}-n{args.rounds}-s{args.seed}"
-                     f"{'' if args.protect_prompt else '-unprotected'}.csv", [{**r, **config} for r in table])
+    first = rows_by_policy[config.policies[0]][0]["config"]
+    record = {k: first[k] for k in ("model", "budget", "buffer", "protect_prompt", "seed", "rounds")}
+    folder = sessions[config.policies[0]].results.path.parent
+    path = write_csv(folder / summary_name(config, record["model"]), [{**r, **record} for r in table])
     print(f"\nsummary: {path}")
-    if not args.no_figure:
-        from figures.passcode import plot
+    if not config.no_figure:
+        cli.draw("passcode", path, config.figure_dir)
 
-        for f in plot(path, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -297,14 +297,6 @@ def subsets(n_heads: int) -> list[tuple[int, ...]]:
     return [c for k in range(n_heads + 1) for c in itertools.combinations(range(n_heads), k)]
 
 
-def subset_label(heads: Sequence[int], n_heads: int) -> str:
-    if len(heads) == 0:
-        return "deleted"
-    if len(heads) == n_heads:
-        return "all"
-    return "h" + "+".join(str(h) for h in heads)
-
-
 # -- running -------------------------------------------------------------------------------------
 def model_shape(model) -> tuple[int, int]:
     """(KV heads, layers) of a model."""

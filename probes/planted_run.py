@@ -1,4 +1,4 @@
-"""Running planted-fact probes: flags, the resumable loop over instances, instrument checks, summaries.
+"""Running planted-fact probes: the configuration, the resumable loop over instances, instrument checks, tables.
 
 Every planted-fact probe (head pooling, scatter, blocks, two facts) is a list of
 :class:`~probes.planted.Condition` handed to :func:`run_conditions`; this module does the rest the
@@ -7,7 +7,6 @@ same way for all of them.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,51 +18,70 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
+from randattn.analysis.planted import ConditionSummary
 from randattn.keepstats import random_round_survival
-from randattn.stats import Estimate, mean_ci, recall_ci
 from randattn.traces import load_traces
 
-from .common import base_parser, check_policies, policy_slug, positive_int
+from .common import policy_slug
+from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
-from .results import REPO_ROOT, ResultsFile, git_revision
+from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 
-DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
 PAPER = {"budget": 1024, "buffer": 64, "distance": 1536}
 
 
-def planted_parser(description: str, *, instances: int = 48) -> argparse.ArgumentParser:
-    p = base_parser(description)
-    g = p.add_argument_group("planted-fact instrument")
-    g.add_argument("--traces", default=None,
-                   help=f"JSONL with a 'text' field per row: the filler (default: {DEFAULT_TRACES.relative_to(REPO_ROOT)}, "
-                        "the embedded model's own solutions; use traces of the model you probe)")
-    g.add_argument("--budget", type=positive_int, default=256,
-                   help="T: pairs each KV head holds right after a round, the newest r among them (the paper's engine)")
-    g.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
-    g.add_argument("--distance", type=positive_int, default=384,
-                   help="tokens from the first fact-box token to the first answer token")
-    g.add_argument("--paper", action="store_true",
-                   help="the paper's geometry: K=1024, r=64, distance 1536 (overrides the three flags above)")
-    g.add_argument("--box-width", type=positive_int, default=12, help="tokens per fact box (<= r)")
-    g.add_argument("--instances", type=positive_int, default=instances, help="instances (paired across conditions)")
-    g.add_argument("--batch", type=positive_int, default=8, help="instances replayed together")
-    g.add_argument("--policy", default="random", help="how the background (everything but the box) is evicted")
-    g.add_argument("--protect-prompt", action="store_true",
-                   help="protect the stub prompt (the paper's probe leaves it unprotected)")
-    g.add_argument("--parity", type=int, default=1,
-                   help="instances checked against token-by-token decoding before the run (0: skip)")
-    g.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
-    g.add_argument("--no-figure", action="store_true", help="do not draw the figure")
-    g.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
-    return p
+@dataclass
+class PlantedConfig(RunConfig):
+    """The planted-fact instrument's settings, shared by head pooling, scatter, two facts, blocks, passcode and the
+    shared-draw probe."""
+
+    traces: Optional[str] = option(None, "JSONL with a 'text' field per row: the filler (default: the embedded "
+                                         "model's own solutions, shipped with the package; use traces of the model "
+                                         "you probe)")
+    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
+                         check=POSITIVE)
+    buffer: int = option(16, "r: new pairs between rounds (the recent window)", check=POSITIVE)
+    distance: int = option(384, "tokens from the first fact-box token to the first answer token", check=POSITIVE)
+    paper: bool = option(False, "the paper's geometry: T=1024, r=64, distance 1536 (overrides the three above)")
+    box_width: int = option(12, "tokens per fact box (<= r)", check=POSITIVE)
+    instances: int = option(48, "instances (paired across conditions)", check=POSITIVE)
+    batch: int = option(8, "instances replayed together", check=POSITIVE)
+    policy: str = option("random", "how the background (everything but the box) is evicted")
+    protect_prompt: bool = option(False, "protect the stub prompt (the paper's probe leaves it unprotected)")
+    parity: int = option(1, "instances checked against token-by-token decoding before the run (0: skip)",
+                         check=NONNEGATIVE)
+
+    def __post_init__(self) -> None:
+        if self.paper:
+            for k, v in PAPER.items():
+                setattr(self, k, v)
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.buffer >= self.budget:
+            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        _check_policy("policy", self.policy)
+
+
+def _check_policy(name: str, spec: str) -> None:
+    known = [*randattn.known_policies(), *randattn.PAPER_MODES]
+    if spec in known:
+        return
+    if ":" not in spec:
+        raise ConfigError(name, f"{spec!r} is unknown; choose from {', '.join(known)}, or give your own selector as "
+                                "MODULE:CALLABLE (e.g. my_selector:score)")
+    try:
+        randattn.load_policy(spec)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(name, str(exc)) from None
 
 
 @dataclass
 class Session:
-    """Everything a planted-fact run needs, built once from the command line."""
+    """Everything a planted-fact run needs, built once from its configuration."""
 
     probe: str
-    args: argparse.Namespace
+    config: PlantedConfig
     model: object
     tok: object
     builder: InstanceBuilder
@@ -73,8 +91,12 @@ class Session:
     policy_options: dict = field(default_factory=dict)
     no_eviction: bool = False  # full attention through the same code path (a budget no round reaches)
 
+    @property
+    def args(self) -> PlantedConfig:  # the instrument's code reads the configuration as ``s.args``
+        return self.config
+
     def make_cache(self, batch_index: int, keep_log: bool = False) -> randattn.EvictingCache:
-        a = self.args
+        a = self.config
         if self.no_eviction:
             return randattn.EvictingCache("random", budget=self.builder.length + 1, buffer=1, protect_prompt=False,
                                           keep_log=keep_log)
@@ -83,65 +105,73 @@ class Session:
                                       seed=a.seed * 1_000_003 + batch_index, keep_log=keep_log, **self.policy_options)
 
 
-def setup(probe: str, args: argparse.Namespace, parser: argparse.ArgumentParser, *, n_facts: int = 1,
-          extra_config: Optional[dict] = None, policy_options: Optional[dict] = None, loaded=None,
-          out: Optional[Path] = None, builder_texts: Optional[dict] = None) -> Session:
-    """Validate flags, load model (unless ``loaded=(model, tokenizer)``) and traces, open (or resume) the
-    results file (``out``, else ``--out``, else ``data/results/<probe>/<config>.jsonl``)."""
-    if args.paper:
-        for k, v in PAPER.items():
-            setattr(args, k, v)
-    check_policies(parser, "--policy", [args.policy])
+def load(config: RunConfig, loaded=None):
+    """``(model, tokenizer)``: ``loaded`` when given, else the config's model on its device."""
+    if loaded is not None:
+        return loaded
+    try:
+        return randattn.load_model(config.model, device=config.device)
+    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError("model" if "device" not in str(exc).lower() else "device", str(exc)) from None
+
+
+def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: Optional[dict] = None,
+          policy_options: Optional[dict] = None, loaded=None, out: Optional[Path] = None,
+          builder_texts: Optional[dict] = None) -> Session:
+    """Check the configuration against the traces and the model (unless ``loaded=(model, tokenizer)``), open (or
+    resume) the results file (``out``, else ``<--out or data/results/<probe>>/<config slug>.jsonl``). Problems are
+    :class:`ConfigError` naming the field to change."""
     policy_options = dict(policy_options or {})
-    if args.policy == "triattention" and args.model is None:
+    if config.policy == "triattention" and config.model is None:
         policy_options.setdefault("stats", randattn.DEFAULT_MODEL)
-    traces = Path(args.traces) if args.traces else DEFAULT_TRACES
+    traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         texts = load_traces(traces)
-    except (FileNotFoundError, ValueError) as exc:
-        parser.error(str(exc))
-    model, tok = loaded or randattn.load_model(args.model, device=args.device)
+    except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
+        raise ConfigError("traces", str(exc)) from None
+    folder = out.parent if out is not None else out_folder(probe, config.out)
+    model, tok = load(config, loaded)
     try:
-        builder = InstanceBuilder(tok, texts, budget=args.budget, buffer=args.buffer, distance=args.distance,
-                                  box_width=args.box_width, n_facts=n_facts, seed=args.seed, **(builder_texts or {}))
-        randattn.EvictingCache(args.policy, budget=args.budget, buffer=args.buffer, **policy_options)
+        builder = InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
+                                  box_width=config.box_width, n_facts=n_facts, seed=config.seed, **(builder_texts or {}))
+        randattn.EvictingCache(config.policy, budget=config.budget, buffer=config.buffer, **policy_options)
     except ValueError as exc:
-        parser.error(str(exc))
-    if args.protect_prompt and len(builder.stub) + 1 > args.budget:
-        parser.error(f"--budget {args.budget} cannot hold the {len(builder.stub)}-token protected stub prompt")
+        raise ConfigError("budget" if "budget" in str(exc) else "box_width" if "box" in str(exc) else "policy",
+                          str(exc)) from None
+    if config.protect_prompt and len(builder.stub) + 1 > config.budget - config.buffer:
+        raise ConfigError("budget", f"T={config.budget} cannot hold the {len(builder.stub)}-token protected stub "
+                                    f"prompt beside the recent window of r={config.buffer}")
     per_instance = builder.length - len(builder.stub)
     if builder.stream.size < per_instance:
-        parser.error(f"--traces {traces} holds {builder.stream.size} tokens; one instance needs {per_instance}")
+        raise ConfigError("traces", f"{traces} holds {builder.stream.size} tokens; one instance needs {per_instance}")
     n_heads, n_layers = model_shape(model)
-    try:
-        trace_label = str(traces.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        trace_label = str(traces)
-    config = {
-        "probe": probe, "model": args.model or randattn.DEFAULT_MODEL, "traces": trace_label,
-        "budget": args.budget, "buffer": args.buffer, "distance": args.distance, "box_width": args.box_width,
-        "policy": args.policy, "policy_options": {k: v for k, v in policy_options.items() if k != "stats"},
-        "protect_prompt": args.protect_prompt, "seed": args.seed, "batch": args.batch, "n_facts": n_facts,
+    record = {
+        "probe": probe, "model": config.model or randattn.DEFAULT_MODEL, "traces": trace_label(traces),
+        "budget": config.budget, "buffer": config.buffer, "distance": config.distance, "box_width": config.box_width,
+        "policy": config.policy, "policy_options": {k: v for k, v in policy_options.items() if k != "stats"},
+        "protect_prompt": config.protect_prompt, "seed": config.seed, "batch": config.batch, "n_facts": n_facts,
         "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "engine": randattn.ENGINE,
-        "revision": git_revision(),
+        **run_record(model),
     }
-    out = out or (Path(args.out) if args.out else Path("data/results") / probe / f"{_slug(config)}.jsonl")
+    path = out or folder / f"{_slug(record)}.jsonl"
     try:
-        results = ResultsFile(out, config, ("instance", "condition", "fact"), restart=args.restart)
+        results = ResultsFile(path, record, ("instance", "condition", "fact"), restart=config.restart)
+    except PermissionError as exc:
+        raise ConfigError("out", str(exc)) from None
     except ValueError as exc:
-        parser.error(str(exc))
-    return Session(probe, args, model, tok, builder, results, n_heads, n_layers, policy_options)
+        raise ConfigError("out", str(exc)) from None
+    return Session(probe, config, model, tok, builder, results, n_heads, n_layers, policy_options)
 
 
 def _slug(config: dict) -> str:
     model = Path(str(config["model"])).name.replace("/", "_")
     extra = "".join(f"-{k}{v}" for k, v in config["policy_options"].items())
     return (f"{model}-{policy_slug(config['policy'])}{extra}-K{config['budget']}-r{config['buffer']}-d{config['distance']}"
-            f"-s{config['seed']}" + ("-pp" if config["protect_prompt"] else ""))
+            f"-s{config['seed']}-{protection_tag(config['protect_prompt'])}")
 
 
 def describe(s: Session) -> str:
-    a, b = s.args, s.builder
+    a, b = s.config, s.builder
     survival = random_round_survival(a.budget, a.buffer, len(b.stub), a.protect_prompt)
     rounds = math.ceil((a.distance - a.box_width) / a.buffer)
     return (f"model {s.results.config['model']} ({s.n_layers} layers, {s.n_heads} KV heads) | background "
@@ -154,7 +184,7 @@ def describe(s: Session) -> str:
 # -- the loop ------------------------------------------------------------------------------------
 def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optional[str] = None) -> list[dict]:
     """Run every instance under every condition (resuming what is done); returns this run's rows."""
-    a = s.args
+    a = s.config
     names = [c.name for c in conditions]
     if len(set(names)) != len(names):
         raise ValueError(f"condition names must be unique, got {names}")
@@ -235,80 +265,6 @@ def parity_check(s: Session, condition: Condition, n: int) -> float:
 
 
 # -- statistics ----------------------------------------------------------------------------------
-def lp_table(rows: Sequence[dict], fact: Optional[int] = 0) -> dict:
-    """``{condition: {instance: (lp, retrieved)}}``; ``fact=None`` sums LPs over facts and needs all retrieved."""
-    out: dict = {}
-    for r in rows:
-        if fact is not None and r["fact"] != fact:
-            continue
-        cell = out.setdefault(r["condition"], {})
-        lp, ok = cell.get(r["instance"], (0.0, True))
-        cell[r["instance"]] = (lp + r["lp"], ok and r["retrieved"])
-    return out
-
-
-@dataclass
-class ConditionSummary:
-    condition: str
-    n: int
-    retrieval: Estimate
-    recall: Optional[Estimate]  # vs the fact kept everywhere (the paper's code)
-    mean_lp: float
-    recall_full: Optional[Estimate] = None  # vs the full cache (no eviction at all), when the run has it
-
-    def as_row(self) -> dict:
-        row = {"condition": self.condition, "n": self.n, **self.retrieval.as_dict("retrieval"), "mean_lp": self.mean_lp}
-        if self.recall is not None:
-            row.update(self.recall.as_dict("recall"))
-        if self.recall_full is not None:
-            row.update(self.recall_full.as_dict("recall_full"))
-        return row
-
-
-def summarize(rows: Sequence[dict], names: Sequence[str], *, fact: Optional[int] = 0, seed: int = 0,
-              deleted: str = "deleted", kept: str = "all") -> dict[str, ConditionSummary]:
-    """Retrieval and Recall R (vs ``deleted`` and ``kept``) with bootstrap CIs, paired by instance."""
-    table = lp_table(rows, fact)
-
-    def recall_vs(cell, inst, top):
-        if deleted not in table or top not in table:
-            return None
-        paired = [i for i in inst if i in table[deleted] and i in table[top]]
-        if not paired:
-            return None
-        return recall_ci([cell[i][0] for i in paired], [table[deleted][i][0] for i in paired],
-                         [table[top][i][0] for i in paired], seed=seed)
-
-    out = {}
-    for name in names:
-        cell = table.get(name, {})
-        inst = sorted(cell)
-        if not inst:
-            continue
-        ok = [cell[i][1] for i in inst]
-        out[name] = ConditionSummary(name, len(inst), mean_ci(ok, seed=seed), recall_vs(cell, inst, kept),
-                                     float(np.mean([cell[i][0] for i in inst])), recall_vs(cell, inst, "full"))
-    return out
-
-
-def endpoint_check(rows: Sequence[dict], *, fact: Optional[int] = 0, seed: int = 0) -> tuple[bool, str]:
-    """Is kept-everywhere clearly better than deleted? If not, no condition in between can be read."""
-    table = lp_table(rows, fact)
-    paired = sorted(set(table.get("all", {})) & set(table.get("deleted", {})))
-    if not paired:
-        return False, "endpoints missing: the run has no 'all' and 'deleted' conditions"
-    gap = mean_ci([table["all"][i][0] - table["deleted"][i][0] for i in paired], seed=seed)
-    r_all = np.mean([table["all"][i][1] for i in paired])
-    r_del = np.mean([table["deleted"][i][1] for i in paired])
-    text = (f"endpoints: LP(all) - LP(deleted) = {gap:.2f} nats per instance; retrieval all {r_all:.3f} vs "
-            f"deleted {r_del:.3f} (n={len(paired)})")
-    ok = gap.lo > 0 and r_all - r_del >= 0.2
-    if not ok:
-        text += ("\nWARNING: kept-everywhere is not clearly better than deleted, so this probe cannot measure anything "
-                 "on this model/configuration (try a shorter --distance, more --instances, or a larger model)")
-    return ok, text
-
-
 def print_table(summaries: dict[str, ConditionSummary], labels: Optional[dict] = None) -> None:
     labels = labels or {}
     width = max([len(labels.get(n, n)) for n in summaries] + [9])
@@ -323,6 +279,26 @@ def print_table(summaries: dict[str, ConditionSummary], labels: Optional[dict] =
     if full:
         print("recall R divides by the fact kept in every head (the paper's code, analyze_probe.py); 'R vs full "
               "cache' by no eviction at all")
+
+
+def summary_path(s: Session) -> Path:
+    """The summary table beside the rows: ``<rows>.summary.csv``, or ``<rows>.n<N>.summary.csv`` when this run covered
+    only the first N of the file's instances (so a shorter rerun never overwrites the full summary)."""
+    in_file = len({r["instance"] for r in s.results.rows})
+    base = s.results.path.with_suffix("")
+    tag = "" if s.config.instances >= in_file else f".n{s.config.instances}"
+    return base.with_name(base.name + tag + ".summary.csv")
+
+
+def finish(s: Session, table: Sequence[dict], figure: Optional[str] = None) -> Path:
+    """Write the summary table, print where the rows and the summary are, and draw ``figure`` from the rows."""
+    from .cli import draw
+
+    path = write_csv(summary_path(s), table)
+    print(f"\nrows: {s.results.path}\nsummary: {path}")
+    if figure and not s.config.no_figure:
+        draw(figure, s.results.path, s.config.figure_dir)
+    return path
 
 
 def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:

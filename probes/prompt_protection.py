@@ -21,20 +21,21 @@ import json
 import random
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.stats import mean_ci
+from randattn.analysis.prompt_protection import summarize
 
-from .common import base_parser, check_policies, positive_int
+from . import cli
+from .config import POSITIVE, ConfigError, RunConfig, option
 from .passcode import POLICIES
-from .planted_run import DEFAULT_TRACES, write_csv
-from .results import REPO_ROOT, ResultsFile, git_revision
+from .planted_run import _check_policy, load, write_csv
+from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 RESTATE = "\n\nLet me restate the question: "
 
@@ -109,63 +110,78 @@ def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *
     return rows
 
 
-def main(argv=None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--traces", default=None, help="JSONL with 'question' and 'text' fields (default: the shipped corpus)")
-    p.add_argument("--policies", nargs="+", default=POLICIES, help="policies compared")
-    p.add_argument("--budget", type=positive_int, default=256, help="T: pairs each KV head holds right after a round, the newest r among them")
-    p.add_argument("--buffer", type=positive_int, default=16, help="r: new pairs between rounds")
-    p.add_argument("--body", type=positive_int, default=512,
-                   help="reasoning tokens between question and restatement (body / r rounds run)")
-    p.add_argument("--paper", action="store_true", help="the paper's K=1024, r=64 with a 2,048-token body (32 rounds)")
-    p.add_argument("--instances", type=positive_int, default=16, help="problems (paired across policies and modes)")
-    p.add_argument("--batch", type=positive_int, default=8, help="problems replayed together")
-    p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
-    p.add_argument("--no-figure", action="store_true", help="do not draw the figure")
-    p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
-    args = p.parse_args(argv)
-    if args.paper:
-        args.budget, args.buffer, args.body = 1024, 64, 2048
-    check_policies(p, "--policies", args.policies)
-    traces = Path(args.traces) if args.traces else DEFAULT_TRACES
+@dataclass
+class Config(RunConfig):
+    """A question restated after a long body: how much of it each policy kept, score-only vs protected
+    (``python -m probes.prompt_protection``)."""
+
+    traces: Optional[str] = option(None, "JSONL with 'question' and 'text' fields (default: the shipped corpus)")
+    policies: tuple[str, ...] = option(tuple(POLICIES), "policies compared")
+    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
+                         check=POSITIVE)
+    buffer: int = option(16, "r: new pairs between rounds", check=POSITIVE)
+    body: int = option(512, "reasoning tokens between question and restatement (body / r rounds run)", check=POSITIVE)
+    paper: bool = option(False, "the paper's T=1024, r=64 with a 2,048-token body (32 rounds)")
+    instances: int = option(16, "problems (paired across policies and modes)", check=POSITIVE)
+    batch: int = option(8, "problems replayed together", check=POSITIVE)
+
+    def __post_init__(self) -> None:
+        if self.paper:
+            self.budget, self.buffer, self.body = 1024, 64, 2048
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.buffer >= self.budget:
+            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        for spec in self.policies:
+            _check_policy("policies", spec)
+
+
+def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
+    """Every policy score-only and protected (plus full attention) on the same instances; resumable."""
+    traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         rows = load_rows(traces)
-    except (FileNotFoundError, ValueError) as exc:
-        p.error(str(exc))
-    model, tok = randattn.load_model(args.model, device=args.device)
-    tasks = Tasks(tok, rows, body=args.body, seed=args.seed)
-    if len(tasks) < args.instances:
-        p.error(f"only {len(tasks)} traces share one prompt layout; use --instances <= {len(tasks)} or more traces")
-    if args.budget <= tasks.prompt_len + 1:
-        p.error(f"--budget {args.budget} cannot hold the {tasks.prompt_len}-token protected prompt plus one slot")
-    model_name = args.model or randattn.DEFAULT_MODEL
-    config = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": args.budget,
-              "buffer": args.buffer,
-              "body": args.body, "seed": args.seed, "batch": args.batch, "prompt_len": tasks.prompt_len,
-              "traces": str(traces.resolve().relative_to(REPO_ROOT)) if traces.resolve().is_relative_to(REPO_ROOT)
-              else str(traces), "revision": git_revision()}
-    out = Path(args.out) if args.out else (Path("data/results/prompt_protection") /
-                                            f"{Path(model_name).name}-K{args.budget}-r{args.buffer}-b{args.body}-s{args.seed}.jsonl")
+    except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
+        raise ConfigError("traces", str(exc)) from None
+    folder = out_folder("prompt_protection", config.out)
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    tasks = Tasks(tok, rows, body=config.body, seed=config.seed)
+    if len(tasks) < config.instances:
+        raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
+                                       f"{len(tasks)} or more traces")
+    if config.budget < tasks.prompt_len + 1 + config.buffer:
+        raise ConfigError("budget", f"T={config.budget} cannot hold the {tasks.prompt_len}-token protected prompt plus "
+                                    f"one slot beside the recent window of r={config.buffer}")
+    model_name = config.model or randattn.DEFAULT_MODEL
+    record = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": config.budget,
+              "buffer": config.buffer, "body": config.body, "seed": config.seed, "batch": config.batch,
+              "prompt_len": tasks.prompt_len, "traces": trace_label(traces), **run_record(model)}
+    path = folder / f"{Path(model_name).name}-K{config.budget}-r{config.buffer}-b{config.body}-s{config.seed}.jsonl"
     try:
-        rf = ResultsFile(out, config, ("instance", "policy", "protect"), restart=args.restart)
-    except ValueError as exc:
-        p.error(str(exc))
-    print(f"model {model_name} | K={args.budget} kept per head after a round, r={args.buffer} | prompt {tasks.prompt_len} "
-          f"tokens, body {args.body} (~{args.body // args.buffer} rounds), restated question "
+        rf = ResultsFile(path, record, ("instance", "policy", "protect"), restart=config.restart)
+    except (ValueError, PermissionError) as exc:
+        raise ConfigError("out", str(exc)) from None
+    print(f"model {model_name} | T={config.budget} per head after a round, r={config.buffer} | prompt "
+          f"{tasks.prompt_len} tokens, body {config.body} (~{config.body // config.buffer} rounds), restated question "
           f"{len(tasks.restate[tasks.pool[0]]) - tasks.prefix_len} tokens")
-    arms = [("full", False)] + [(pol, prot) for pol in args.policies for prot in (False, True)]
-    batches = [list(range(b, min(args.instances, b + args.batch))) for b in range(0, args.instances, args.batch)]
+    arms = [("full", False)] + [(pol, prot) for pol in config.policies for prot in (False, True)]
+    batches = [list(range(b, min(config.instances, b + config.batch))) for b in range(0, config.instances, config.batch)]
     todo = [(arm, idx) for arm in arms for idx in batches if any((i, *arm) not in rf.done for i in idx)]
     for (policy, protect), idx in tqdm(todo, desc="prompt protection", unit="batch"):
-        options = {"stats": randattn.DEFAULT_MODEL} if policy == "triattention" and args.model is None else {}
+        options = {"stats": randattn.DEFAULT_MODEL} if policy == "triattention" and config.model is None else {}
         try:
-            rf.append(run_batch(model, tasks, idx, policy, protect, budget=args.budget, buffer=args.buffer,
-                                seed=args.seed * 1_000_003 + idx[0], options=options))
-        except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed K
-            p.error(f"policy {policy} (protect_prompt={protect}): {exc}")
-    table = summarize(rf.rows, args.policies, args.instances, args.seed)
-    print(f"\n{'policy':<14} {'score only':<22} {'+ prompt protection':<22} {'gain [95% CI]':<26} (digit accuracy of the "
-          "restated question; mean log-prob in the CSV)")
+            rf.append(run_batch(model, tasks, idx, policy, protect, budget=config.budget, buffer=config.buffer,
+                                seed=config.seed * 1_000_003 + idx[0], options=options))
+        except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed T - r
+            raise ConfigError("policies", f"{policy} (protect_prompt={protect}): {exc}") from None
+    return rf, rf.rows
+
+
+def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
+    table = summarize(rows, list(config.policies), config.instances, config.seed)
+    print(f"\n{'policy':<14} {'score only':<22} {'+ prompt protection':<22} {'gain [95% CI]':<26} (digit accuracy of "
+          "the restated question; mean log-prob in the CSV)")
     for r in table:
         if r["policy"] == "full":
             print(f"{'full':<14} {r['digit_acc_score_only']:.3f} (no eviction: the ceiling)")
@@ -174,39 +190,16 @@ def main(argv=None) -> int:
               f"{r['gain']:+.3f} [{r['gain_lo']:+.3f}, {r['gain_hi']:+.3f}]")
     print("paper Table 2 (MATH500 accuracy, Qwen3-4B): snapkv .703->.829, rkv .810->.812, vase .809->.812, "
           "random .459->.874")
-    summary = write_csv(out.with_suffix(".summary.csv"), [{**r, "model": model_name, "budget": args.budget,
-                                                           "buffer": args.buffer} for r in table])
-    print(f"\nrows: {out}\nsummary: {summary}")
-    if not args.no_figure:
-        from figures.prompt_protection import plot
-
-        for f in plot(summary, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+    model_name = rf.config["model"]
+    summary = write_csv(rf.path.with_suffix(".summary.csv"), [{**r, "model": model_name, "budget": config.budget,
+                                                              "buffer": config.buffer} for r in table])
+    print(f"\nrows: {rf.path}\nsummary: {summary}")
+    if not config.no_figure:
+        cli.draw("prompt_protection", summary, config.figure_dir)
 
 
-def summarize(rows: list[dict], policies: list[str], n: int, seed: int = 0) -> list[dict]:
-    """Per policy: digit accuracy and mean LP, score-only vs protected, and the paired gains with CIs."""
-    cell = {(r["instance"], r["policy"], r["protect"]): r for r in rows if r["instance"] < n}
-    full = [cell[(i, "full", False)] for i in range(n) if (i, "full", False) in cell]
-    table = [{"policy": "full", "n": len(full), "digit_acc_score_only": float(np.nanmean([r["digit_acc"] for r in full])),
-              "digit_acc_protected": float("nan"), "mean_lp_score_only": float(np.mean([r["mean_lp"] for r in full])),
-              "mean_lp_protected": float("nan"), "gain": 0.0, "gain_lo": 0.0, "gain_hi": 0.0}] if full else []
-    for pol in policies:
-        inst = [i for i in range(n) if (i, pol, False) in cell and (i, pol, True) in cell]
-        if not inst:
-            continue
-        a = [cell[(i, pol, False)] for i in inst]
-        b = [cell[(i, pol, True)] for i in inst]
-        gain = mean_ci([y["digit_acc"] - x["digit_acc"] for x, y in zip(a, b)], seed=seed)
-        lp_gain = mean_ci([y["mean_lp"] - x["mean_lp"] for x, y in zip(a, b)], seed=seed)
-        table.append({"policy": pol, "n": len(inst),
-                      "digit_acc_score_only": float(np.mean([x["digit_acc"] for x in a])),
-                      "digit_acc_protected": float(np.mean([y["digit_acc"] for y in b])),
-                      "mean_lp_score_only": float(np.mean([x["mean_lp"] for x in a])),
-                      "mean_lp_protected": float(np.mean([y["mean_lp"] for y in b])),
-                      **gain.as_dict("gain"), **lp_gain.as_dict("lp_gain")})
-    return table
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -17,32 +17,94 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
-__all__ = ["ResultsFile", "NotOurFile", "git_revision", "REPO_ROOT"]
+__all__ = ["ResultsFile", "NotOurFile", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
+           "protection_tag", "run_record", "trace_label", "versions", "INFORMATIONAL"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Config entries that describe where and with what a row was measured, not what was measured: never compared on
+#: resume, so a run continued after an upgrade or on another device still finds its rows.
+INFORMATIONAL = ("revision", "versions", "device")
 
 
 class NotOurFile(ValueError):
     """The path exists but is not a results file this toolkit wrote; nothing was changed."""
 
 
-def git_revision() -> str:
+# -- where things are --------------------------------------------------------------------------------------------
+from randattn.shipped import shipped  # noqa: E402
+
+DEFAULT_TRACES = shipped("traces/smollm2-135m.jsonl")
+
+
+def out_folder(probe: str, out: "str | os.PathLike | None") -> Path:
+    """Where a probe's rows go: ``--out`` (a folder), else ``data/results/<probe>/`` under the current folder."""
+    return Path(out) if out is not None else Path("data") / "results" / probe
+
+
+def protection_tag(protect_prompt: bool) -> str:
+    """The one spelling of prompt protection in file names and tables: ``protected`` or ``score-only``."""
+    return "protected" if protect_prompt else "score-only"
+
+
+def trace_label(path: Path) -> str:
+    """How a config records its traces file: ``data/traces/<name>`` for a shipped one, else the path given."""
+    if Path(path).resolve() == DEFAULT_TRACES.resolve():
+        return "data/traces/" + DEFAULT_TRACES.name
+    return str(path)
+
+
+def _checkout() -> Optional[Path]:
+    """The randattn source checkout this code runs from, if any (an editable install or a clone): never the user's
+    own repository that an installed package merely sits inside."""
+    root = REPO_ROOT
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+        if (root / ".git").exists() and 'name = "randattn"' in (root / "pyproject.toml").read_text():
+            return root
+    except OSError:
+        pass
+    return None
+
+
+def git_revision() -> Optional[str]:
+    """The short commit of the randattn checkout the code runs from; None when installed from a wheel."""
+    root = _checkout()
+    if root is None:
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=5)
-        return out.stdout.strip() or "unknown"
+        return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None
+
+
+def versions() -> dict:
+    """The package versions a result was measured with."""
+    import torch
+    import transformers
+
+    import randattn
+
+    return {"randattn": randattn.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def run_record(model=None) -> dict:
+    """What every results file records besides the configuration: versions, device, and the git revision of the
+    checkout when run from one (informational: see :data:`INFORMATIONAL`)."""
+    record = {"versions": versions(), "revision": git_revision()}
+    if model is not None:
+        record["device"] = str(getattr(model, "device", "cpu"))
+    return record
 
 
 class ResultsFile:
     """Append-only JSONL of result rows keyed by ``key_fields``; knows which keys are done.
 
-    ``config`` is stored in every row under ``"config"``; its ``revision`` entry (the git
-    revision) is informational and not compared on resume. ``restart`` discards the rows of an
-    existing file, only once it is shown to be ours.
+    ``config`` is stored in every row under ``"config"``; its :data:`INFORMATIONAL` entries (git revision,
+    versions, device) are not compared on resume. ``restart`` discards the rows of an existing file, only once
+    it is shown to be ours.
     """
 
     def __init__(self, path: "str | os.PathLike", config: dict, key_fields: tuple[str, ...], *, restart: bool = False):
@@ -51,6 +113,7 @@ class ResultsFile:
         self.key_fields = tuple(key_fields)
         self.rows: list[dict] = []
         self.duplicates = 0  # rows read back whose key was already seen (dropped)
+        _check_writable(self.path)
         if self.path.exists():
             rows, torn = self._read_ours()
             if restart:
@@ -107,9 +170,9 @@ class ResultsFile:
         return rows, cut
 
     def _check_config(self, rows: list[dict]) -> None:
-        mine = {k: v for k, v in self.config.items() if k != "revision"}
+        mine = {k: v for k, v in self.config.items() if k not in INFORMATIONAL}
         for row in rows:
-            theirs = {k: v for k, v in row["config"].items() if k != "revision"}
+            theirs = {k: v for k, v in row["config"].items() if k not in INFORMATIONAL}
             if theirs != mine:
                 diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ValueError(
@@ -162,6 +225,16 @@ class ResultsFile:
 
 def _hashable(value):
     return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse before any compute a results path nobody can write (the nearest existing folder above it)."""
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(f"{path}: {parent if not path.exists() else path} is not writable; give --out a folder "
+                              "you can write to")
 
 
 def check_ours(path: "str | os.PathLike", key_fields: tuple[str, ...]) -> None:

@@ -17,18 +17,14 @@ The paper (Qwen3-4B): scattered R = .33 vs intact .39.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
-import numpy as np
+from randattn.analysis.planted import endpoint_check, rotating_pairs, scatter_compare, summarize
 
-from randattn.stats import bootstrap, mean_ci
-
+from . import cli
+from .config import ConfigError
 from .planted import Condition
-from .planted_run import (describe, endpoint_check, lp_table, parity_check, planted_parser, print_table, run_conditions,
-                          setup, summarize, write_csv)
-
-
-def rotating_pairs(n_heads: int) -> list[tuple[int, int]]:
-    return [(h, (h + 1) % n_heads) for h in range(n_heads)]
+from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
 
 
 def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
@@ -45,53 +41,35 @@ def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
     return conds
 
 
-def compare(rows, n_heads: int, seed: int = 0) -> dict:
-    """R and retrieval of scattered (mean over phases per instance) vs intact (mean over the pairs per
-    instance), and the paired differences."""
-    t = lp_table(rows)
-    intact = [f"intact h{a}+{b}" for a, b in rotating_pairs(n_heads)]
-    spread = [f"scattered p{p}" for p in range(n_heads)]
-    inst = sorted(set.intersection(*(set(t[c]) for c in ["deleted", "all", *spread, *intact])))
-    d = np.array([t["deleted"][i][0] for i in inst])
-    a = np.array([t["all"][i][0] for i in inst])
-    sc = np.array([[t[c][i][0] for c in spread] for i in inst]).mean(1)
-    it = np.array([[t[c][i][0] for c in intact] for i in inst]).mean(1)
-    sc_ok = np.array([[t[c][i][1] for c in spread] for i in inst], float).mean(1)
-    it_ok = np.array([[t[c][i][1] for c in intact] for i in inst], float).mean(1)
-    r = lambda x, d, a: (x - d).sum(-1) / (a - d).sum(-1)  # noqa: E731
-    return {
-        "n": len(inst),
-        "recall_scattered": bootstrap(r, sc, d, a, seed=seed),
-        "recall_intact": bootstrap(r, it, d, a, seed=seed),
-        "recall_diff": bootstrap(lambda s, i, d, a: (s - i).sum(-1) / (a - d).sum(-1), sc, it, d, a, seed=seed),
-        "retrieval_scattered": mean_ci(sc_ok, seed=seed),
-        "retrieval_intact": mean_ci(it_ok, seed=seed),
-        "retrieval_diff": mean_ci(sc_ok - it_ok, seed=seed),
-    }
+@dataclass
+class Config(PlantedConfig):
+    """Scattered vs intact copies of a planted fact (``python -m probes.scatter``)."""
 
 
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0])
-    args = p.parse_args(argv)
-    s = setup("scatter", args, p)
+def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
+    s = setup("scatter", config, loaded=None if model is None else (model, tokenizer))
     print(describe(s))
     try:
-        conds = scatter_conditions(s.n_heads, args.box_width)
+        conds = scatter_conditions(s.n_heads, config.box_width)
     except ValueError as exc:
-        p.error(str(exc))
-    parity_check(s, conds[2], args.parity)
-    rows = run_conditions(s, conds, desc="scatter")
-    summaries = summarize(rows, [c.name for c in conds], seed=args.seed)
+        raise ConfigError("model", str(exc)) from None
+    parity_check(s, conds[3], config.parity)
+    return s, run_conditions(s, conds, desc="scatter")
+
+
+def report(s: Session, rows: list[dict]) -> None:
+    seed = s.config.seed
+    summaries = summarize(rows, list(dict.fromkeys(r["condition"] for r in rows)), seed=seed)
     print()
     print_table(summaries)
-    c = compare(rows, s.n_heads, args.seed)
+    c = scatter_compare(rows, s.n_heads, seed)
     print(f"\nscattered vs intact (mass-matched: two heads' worth of slots each), n={c['n']}:")
     print(f"  recall R:  scattered {c['recall_scattered']:.3f}  intact {c['recall_intact']:.3f}  "
           f"difference {c['recall_diff']:.3f}")
     print(f"  retrieval: scattered {c['retrieval_scattered']:.3f}  intact {c['retrieval_intact']:.3f}  "
           f"difference {c['retrieval_diff']:.3f}")
     print("  (paper, Qwen3-4B: R .33 scattered vs .39 intact)")
-    _, text = endpoint_check(rows, seed=args.seed)
+    _, text = endpoint_check(rows, seed=seed)
     print(text)
     table = [x.as_row() for x in summaries.values()]
     table.append({"condition": "scattered - intact", "n": c["n"], **c["recall_diff"].as_dict("recall"),
@@ -100,14 +78,11 @@ def main(argv=None) -> int:
                   **c["retrieval_intact"].as_dict("retrieval")})
     table.append({"condition": "scattered (mean of phases)", "n": c["n"], **c["recall_scattered"].as_dict("recall"),
                   **c["retrieval_scattered"].as_dict("retrieval")})
-    path = write_csv(s.results.path.with_suffix(".summary.csv"), table)
-    print(f"\nrows: {s.results.path}\nsummary: {path}")
-    if not args.no_figure:
-        from figures.scatter import plot
+    finish(s, table, "scatter")
 
-        for f in plot(s.results.path, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

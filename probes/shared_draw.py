@@ -19,62 +19,94 @@ diversity matters for once-stated facts.
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import randattn
+from randattn.analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
-from .blocks import full_attention, nll_deltas, run_nll
-from .common import positive_int
-from .passcode import compare as passcode_compare
-from .passcode import run_policies
+from . import cli, passcode
+from .blocks import full_attention, run_nll
+from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import describe, planted_parser, run_conditions, setup, summarize, write_csv
+from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
+from .results import out_folder, protection_tag
 
 POLICIES = ("random", "random-shared")
 
 
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0], instances=32)
-    p.add_argument("--sequences", type=positive_int, default=16, help="trace sequences for the next-token loss")
-    p.add_argument("--length", type=positive_int, default=1024, help="tokens per trace sequence")
-    p.add_argument("--rounds", type=positive_int, default=57, help="passcode: rounds between statement and answer")
-    p.add_argument("--passcode-instances", type=positive_int, default=16, help="passcode: instances per policy")
-    p.add_argument("--skip-nll", action="store_true", help="skip the next-token-loss comparison")
-    p.add_argument("--skip-planted", action="store_true", help="skip the planted-fact comparison")
-    p.add_argument("--skip-passcode", action="store_true", help="skip the passcode comparison")
-    args = p.parse_args(argv)
-    if args.policy != "random":
-        p.error("--policy is fixed by this probe (random vs random-shared); drop the flag")
-    base_dir = Path(args.out) if args.out else Path("data/results/shared_draw")
-    loaded, table, planted = None, [], {}
+@dataclass
+class Config(PlantedConfig):
+    """Shared vs per-head draws (``python -m probes.shared_draw``)."""
+
+    instances: int = option(32, "planted-fact instances per policy", check=POSITIVE)
+    policy: str = option("random", "fixed: random vs random-shared", cli=False)
+    sequences: int = option(16, "trace sequences for the next-token loss", check=POSITIVE)
+    length: int = option(1024, "tokens per trace sequence", check=POSITIVE)
+    rounds: int = option(57, "passcode: rounds between statement and answer", check=POSITIVE)
+    passcode_instances: int = option(16, "passcode: instances per policy", check=POSITIVE)
+    skip_nll: bool = option(False, "skip the next-token-loss comparison")
+    skip_planted: bool = option(False, "skip the planted-fact comparison")
+    skip_passcode: bool = option(False, "skip the passcode comparison")
+
+    def check(self) -> None:
+        super().check()
+        if self.length <= self.budget + self.buffer:
+            raise ConfigError("length", f"{self.length} must exceed T + r = {self.budget + self.buffer} so that rounds "
+                                        "run")
+
+
+def passcode_config(config: Config) -> passcode.Config:
+    """The passcode part's configuration: the probe's geometry, the passcode's own box and protection."""
+    return passcode.Config(model=config.model, device=config.device, seed=config.seed, traces=config.traces,
+                           out=str(out_folder("shared_draw", config.out) / "passcode"), restart=config.restart,
+                           no_figure=True, budget=config.budget, buffer=config.buffer, batch=config.batch,
+                           instances=config.passcode_instances, rounds=config.rounds, policies=POLICIES,
+                           references=False, parity=0)
+
+
+def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict], dict]:
+    """``(session, {policy: planted rows}, next-token-loss rows, {policy: passcode rows})``; resumable."""
+    loaded = None if model is None else (model, tokenizer)
+    planted = {}
+    s = None
     for policy in POLICIES:
-        sub = argparse.Namespace(**{**vars(args), "policy": policy, "out": None})
-        s = setup("shared_draw", sub, p, loaded=loaded, out=base_dir / f"planted-{policy}.jsonl" if args.out else None)
+        s = setup("shared_draw", config.replace(policy=policy), loaded=loaded)
         if loaded is None:
             print(describe(s))
         loaded = (s.model, s.tok)
-        if not args.skip_planted:
-            w = args.box_width
+        if not config.skip_planted:
+            w = config.box_width
             conds = [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w),
                      Condition.policy("policy")]
-            rows = run_conditions(s, conds, desc=f"planted fact: {policy}")
-            planted[policy] = (rows, summarize(rows, ["policy", "all", "deleted"], seed=args.seed))
-    if not args.skip_nll:
-        a = args
-        arms = {"full": full_attention(args.length)}
+            planted[policy] = run_conditions(s, conds, desc=f"planted fact: {policy}")
+    nll = []
+    if not config.skip_nll:
+        a = config
+        arms = {"full": full_attention(config.length)}
         for policy in POLICIES:
             arms[policy] = (lambda pol: lambda bi: randattn.EvictingCache(
                 pol, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
                 seed=a.seed * 1_000_003 + bi))(policy)
-        model = Path(str(s.results.config["model"])).name
-        out = base_dir / f"nll-{model}-K{args.budget}-r{args.buffer}-L{args.length}-s{args.seed}.jsonl"
-        rows = run_nll(s, arms, args.sequences, args.length, out, desc="next-token loss")
-        deltas = nll_deltas(rows, list(POLICIES), seed=args.seed)
-        diff = nll_deltas(rows, ["random-shared"], reference="random", seed=args.seed)["random-shared"]
-        print(f"\nnext-token loss increase over full attention ({args.sequences} sequences of {args.length} tokens):")
+        model_name = Path(str(s.results.config["model"])).name
+        out = s.results.path.parent / (f"nll-{model_name}-K{a.budget}-r{a.buffer}-L{a.length}-s{a.seed}-"
+                                       f"{protection_tag(a.protect_prompt)}.jsonl")
+        nll = run_nll(s, arms, config.sequences, config.length, out, desc="next-token loss")
+    codes = {}
+    if not config.skip_passcode:
+        codes, _ = passcode.run(passcode_config(config), *loaded)
+    return s, planted, nll, codes
+
+
+def report(s: Session, planted: dict, nll: list[dict], codes: dict) -> None:
+    a = s.config
+    table = []
+    if nll:
+        deltas = nll_deltas(nll, list(POLICIES), seed=a.seed)
+        diff = nll_deltas(nll, ["random-shared"], reference="random", seed=a.seed)["random-shared"]
+        print(f"\nnext-token loss increase over full attention ({a.sequences} sequences of {a.length} tokens):")
         for policy in POLICIES:
             print(f"  {policy:<14} {deltas[policy]:.4f} nats/token")
             table.append({"measure": "delta_nll_vs_full", "policy": policy, "n": deltas[policy].n,
@@ -84,43 +116,38 @@ def main(argv=None) -> int:
                       **diff.as_dict("value")})
     if planted:
         print("\nplanted fact left to the policy (R vs deleted/kept-everywhere under the same policy):")
-        for policy, (_, summ) in planted.items():
-            pol = summ["policy"]
+        for policy, rows in planted.items():
+            pol = summarize(rows, ["policy", "all", "deleted"], seed=a.seed)["policy"]
             print(f"  {policy:<14} R {pol.recall:.3f}  retrieval {pol.retrieval:.3f}")
             table.append({"measure": "planted_recall", "policy": policy, "n": pol.n, **pol.recall.as_dict("value")})
             table.append({"measure": "planted_retrieval", "policy": policy, "n": pol.n,
                           **pol.retrieval.as_dict("value")})
         ok = {pol: {r["instance"]: r["retrieved"] for r in rows if r["condition"] == "policy"}
-              for pol, (rows, _) in planted.items()}
+              for pol, rows in planted.items()}
         common = sorted(set(ok["random"]) & set(ok["random-shared"]))
-        d = mean_ci([ok["random-shared"][i] - ok["random"][i] for i in common], seed=args.seed)
+        d = mean_ci([ok["random-shared"][i] - ok["random"][i] for i in common], seed=a.seed)
         print(f"  retrieval shared - per-head: {d:.3f}")
         table.append({"measure": "planted_retrieval", "policy": "shared - per-head", "n": d.n, **d.as_dict("value")})
-    if not args.skip_passcode:
-        pc = argparse.Namespace(**{**vars(args), "instances": args.passcode_instances, "protect_prompt": True,
-                                   "box_width": 20, "paper": False, "out": None})
-        rows_by_policy = run_policies(pc, p, list(POLICIES), Path("data/results/passcode"), loaded=loaded,
-                                      references=False)
-        print(f"\npasscode stated once, asked after {args.rounds} rounds (prompt protected):")
-        for r in passcode_compare(rows_by_policy, seed=args.seed)[-len(POLICIES):]:
+    if codes:
+        print(f"\npasscode stated once, asked after {a.rounds} rounds (prompt protected):")
+        for r in passcode_compare(codes, seed=a.seed)[-len(POLICIES):]:
             print(f"  {r['policy']:<14} retrieval {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, {r['retrieval_hi']:.3f}]"
                   f"  mean LP {r['mean_lp']:.2f}")
             table.append({"measure": "passcode_retrieval", "policy": r["policy"], "n": r["n"], "value": r["retrieval"],
                           "value_lo": r["retrieval_lo"], "value_hi": r["retrieval_hi"]})
     print("\npaper: a shared draw is about as good as per-head draws on real traces; per-head diversity matters "
           "for once-stated facts")
-    base_dir.mkdir(parents=True, exist_ok=True)
     model = Path(str(s.results.config["model"])).name
-    path = write_csv(base_dir / f"summary-{model}-K{args.budget}-r{args.buffer}-s{args.seed}.csv",
-                     [{**r, "model": s.results.config["model"], "budget": args.budget, "buffer": args.buffer}
-                      for r in table])
+    path = write_csv(s.results.path.parent / f"summary-{model}-K{a.budget}-r{a.buffer}-s{a.seed}-"
+                     f"{protection_tag(a.protect_prompt)}.csv",
+                     [{**r, "model": s.results.config["model"], "budget": a.budget, "buffer": a.buffer} for r in table])
     print(f"\nsummary: {path}")
-    if not args.no_figure:
-        from figures.shared_draw import plot
+    if not a.no_figure:
+        cli.draw("shared_draw", path, a.figure_dir)
 
-        for f in plot(path, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

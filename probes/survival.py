@@ -18,7 +18,6 @@ traces form the chats.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,13 +31,14 @@ from tqdm.auto import tqdm
 
 import randattn
 from randattn import keepstats
-from randattn.keepstats import SurvivalCurve
+from randattn.analysis.survival import Pooled, mean_deficit, pool
 from randattn.traces import load_traces
 
-from .common import base_parser, check_policies, positive_int
-from .results import REPO_ROOT, ResultsFile, git_revision
+from . import cli
+from .config import POSITIVE, ConfigError, RunConfig, option
+from .planted_run import _check_policy, load
+from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
-DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
 PAPER = {"budget": 1024, "buffer": 64}
 MODES = {"protected": True, "score-only": False}  # mode -> protect_prompt
 # The paper's keep-log numbers (SPEC §4), shown beside ours; "" where the paper gives none.
@@ -49,34 +49,53 @@ PAPER_NUMBERS = {
 ROUND_TABLE_N = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                   help="policies to run (default: all known: " + ", ".join(randattn.known_policies()) + ")")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                   help="'protected': prompt pinned (the paper's '+ prompt protection'); 'score-only': the policy "
-                        "alone decides about the prompt too (the only mode where prompt survival can differ)")
-    p.add_argument("--budget", type=positive_int, default=256,
-                   help="T: pairs each KV head holds right after a round, the newest r among them (the paper's engine)")
-    p.add_argument("--buffer", type=positive_int, default=16,
-                   help="r: new pairs between rounds (T=256, r=16 keeps the paper's per-round survival (T-r)/T=0.9375)")
-    p.add_argument("--paper", action="store_true", help="the paper's geometry K=1024, r=64 (overrides --budget/--buffer)")
-    p.add_argument("--rounds", type=positive_int, default=24,
-                   help="eviction rounds per layer; each sequence is cut to K + rounds*r tokens")
-    p.add_argument("--sequences", type=positive_int, default=4, help="sequences (chats of real traces) per policy")
-    p.add_argument("--batch", type=positive_int, default=4, help="sequences replayed together (same prompt length)")
-    p.add_argument("--traces", default=None,
-                   help="JSONL with 'question' and 'text' fields per row (default: "
-                        f"{DEFAULT_TRACES.relative_to(REPO_ROOT)}, the embedded model's own solutions)")
-    p.add_argument("--tri-stats", default=None,
-                   help="TriAttention statistics file for --model (python -m randattn.calibrate); the embedded "
-                        "model's ship with the package")
-    p.add_argument("--age-bin", type=positive_int, default=None, help="age bin width in tokens (default: r, one round)")
-    p.add_argument("--entropy-bins", type=positive_int, default=10, help="age bins of the coverage entropy")
-    p.add_argument("--restart", action="store_true", help="discard earlier results of this configuration")
-    p.add_argument("--no-figure", action="store_true", help="do not draw the figure")
-    p.add_argument("--figure-dir", default=None, help="where the figure goes (default: figures/)")
-    return p
+@dataclass
+class Config(RunConfig):
+    """Survival curves and keep-log metrics per policy (``python -m probes.survival``)."""
+
+    policies: Optional[tuple[str, ...]] = option(None, "policies to run (default: every registered one)",
+                                                 metavar="POLICY")
+    modes: tuple[str, ...] = option(tuple(MODES), "'protected': prompt pinned (the paper's '+ prompt protection'); "
+                                                  "'score-only': the policy alone decides about the prompt too",
+                                    choices=tuple(MODES))
+    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
+                         check=POSITIVE)
+    buffer: int = option(16, "r: new pairs between rounds (T=256, r=16 keeps the paper's per-round survival "
+                             "(T-r)/T = 0.9375)", check=POSITIVE)
+    paper: bool = option(False, "the paper's geometry T=1024, r=64 (overrides --budget/--buffer)")
+    rounds: int = option(24, "eviction rounds per layer; each sequence is cut to T + rounds*r tokens", check=POSITIVE)
+    sequences: int = option(4, "sequences (chats of real traces) per policy", check=POSITIVE)
+    batch: int = option(4, "sequences replayed together (same prompt length)", check=POSITIVE)
+    traces: Optional[str] = option(None, "JSONL with 'question' and 'text' fields per row (default: the embedded "
+                                         "model's own solutions, shipped with the package)")
+    stats: Optional[str] = option(None, "TriAttention statistics for --model (python -m randattn.calibrate); the "
+                                        "embedded model's ship with the package")
+    age_bin: Optional[int] = option(None, "age bin width in tokens (default: r, one round)", check=POSITIVE)
+    entropy_bins: int = option(10, "age bins of the coverage entropy", check=POSITIVE)
+
+    def __post_init__(self) -> None:
+        if self.paper:
+            self.budget, self.buffer = PAPER["budget"], PAPER["buffer"]
+        self.age_bin = self.age_bin or self.buffer
+        if self.policies is None:
+            self.policies = tuple(randattn.known_policies())
+        self.modes = tuple(dict.fromkeys(self.modes))
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.buffer >= self.budget:
+            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        for spec in self.policies:
+            _check_policy("policies", spec)
+        if "triattention" in self.policies and self.stats is None and self.model is not None:
+            raise ConfigError("stats", "--policies includes triattention, which needs statistics of --model: pass "
+                                       f"--stats FILE (make it with `python -m randattn.calibrate --model {self.model} "
+                                       "--out FILE`) or leave triattention out")
+        if self.stats is not None:
+            try:
+                randattn.load_stats(self.stats)
+            except (FileNotFoundError, ValueError, TypeError) as exc:
+                raise ConfigError("stats", str(exc)) from None
 
 
 # -- sequences -----------------------------------------------------------------------------------
@@ -189,61 +208,6 @@ def run_batch(model, chats: list[Chat], policy: str, mode: str, args, options: d
 
 
 # -- pooling and tables --------------------------------------------------------------------------
-METRICS = ("slot_coverage", "prompt_union", "prompt_head", "jaccard", "entropy")
-
-
-@dataclass
-class Pooled:
-    """All sequences of one (policy, mode): metric means, merged curves, Random's analytic curves."""
-
-    policy: str
-    mode: str
-    n: int
-    rounds: list
-    metrics: dict
-    by_rounds: SurvivalCurve
-    by_age: SurvivalCurve
-    analytic_rounds: tuple  # (per head, union) expected under Random for these observations
-    analytic_age: tuple
-
-
-def _pool_curves(rows: list[dict], key: str) -> tuple[SurvivalCurve, tuple]:
-    curves = [SurvivalCurve.from_dict(r[key]) for r in rows]
-    merged = curves[0]
-    for c in curves[1:]:
-        merged = merged.merge(c)
-    # Rows may differ in q (prompt length), so the analytic curve is pooled from per-row sums.
-    head, union = np.zeros(len(merged.total)), np.zeros(len(merged.total))
-    for c, r in zip(curves, rows):
-        h, u = c.analytic_sums(r["q"])
-        head[: len(h)] += h
-        union[: len(u)] += u
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return merged, (head / merged.total, union / merged.total)
-
-
-def pool(rows: Sequence[dict]) -> dict[tuple[str, str], Pooled]:
-    """Rows grouped by (policy, mode) in first-seen order."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["policy"], r["mode"]), []).append(r)
-    out = {}
-    for (policy, mode), g in groups.items():
-        by_rounds, an_rounds = _pool_curves(g, "by_rounds")
-        by_age, an_age = _pool_curves(g, "by_age")
-        metrics = {m: float(np.nanmean([r[m] for r in g])) if any(r[m] == r[m] for r in g) else float("nan")
-                   for m in METRICS}
-        out[(policy, mode)] = Pooled(policy, mode, len(g), sorted({r["rounds"] for r in g}), metrics, by_rounds,
-                                     by_age, an_rounds, an_age)
-    return out
-
-
-def mean_deficit(curve: SurvivalCurve) -> float:
-    """Independent-heads union minus measured union, averaged over observations (rounds bins)."""
-    ok = curve.total > 0
-    return float(np.sum(curve.deficit[ok] * curve.total[ok]) / np.sum(curve.total[ok]))
-
-
 def _fmt(v: float, width: int = 7) -> str:
     return f"{'-':>{width}}" if v != v else f"{v:{width}.3f}"
 
@@ -298,16 +262,10 @@ def modes_of(policy: str, modes: Sequence[str]) -> list[str]:
     return [m for m in modes if native is None or MODES[m] == native]
 
 
-def _policy_options(policy: str, args, parser: argparse.ArgumentParser) -> dict:
+def _policy_options(policy: str, config: Config) -> dict:
     if policy != "triattention":
         return {}
-    if args.tri_stats:
-        return {"stats": args.tri_stats}
-    if args.model is None:
-        return {"stats": randattn.DEFAULT_MODEL}  # the embedded model's statistics ship with the package
-    parser.error("--policies includes triattention, which needs statistics of --model: pass --tri-stats FILE "
-                 "(make it with `python -m randattn.calibrate --model M --out FILE`) or leave triattention out")
-    return {}
+    return {"stats": config.stats or randattn.DEFAULT_MODEL}
 
 
 def _slug(config: dict) -> str:
@@ -316,90 +274,82 @@ def _slug(config: dict) -> str:
             f"-b{config['batch']}-s{config['seed']}")
 
 
-def main(argv=None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if args.paper:
-        args.budget, args.buffer = PAPER["budget"], PAPER["buffer"]
-    args.age_bin = args.age_bin or args.buffer
-    policies = args.policies or randattn.known_policies()
-    check_policies(p, "--policies", policies)
-    modes = list(dict.fromkeys(args.modes))
-    options = {pol: _policy_options(pol, args, p) for pol in policies}
-    traces = Path(args.traces) if args.traces else DEFAULT_TRACES
+def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
+    """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``."""
+    options = {pol: _policy_options(pol, config) for pol in config.policies}
+    traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         rows = read_rows(traces)
-    except (FileNotFoundError, ValueError) as exc:
-        p.error(str(exc))
-    model, tok = randattn.load_model(args.model, device=args.device)
+    except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
+        raise ConfigError("traces", str(exc)) from None
+    folder = out_folder("survival", config.out)
+    model, tok = load(config, None if model is None else (model, tokenizer))
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    length = args.budget + args.rounds * args.buffer
-    # A protected prompt needs a free slot; score-only prompts just have to leave room for generated text.
-    # (beside the recent window of r, which the protected prompt cannot use)
-    max_prompt = args.budget - args.buffer if "protected" in modes else args.budget + args.buffer
+    length = config.budget + config.rounds * config.buffer
+    # A protected prompt needs a free slot beside the recent window of r; score-only prompts just have to leave
+    # room for generated text.
+    max_prompt = config.budget - config.buffer if "protected" in config.modes else config.budget + config.buffer
     try:
-        chats = build_chats(tok, rows, args.sequences, length, args.seed, max_prompt)
+        chats = build_chats(tok, rows, config.sequences, length, config.seed, max_prompt)
     except ValueError as exc:
-        p.error(str(exc))
+        raise ConfigError("budget", str(exc)) from None
+    record = {"probe": "survival", "engine": randattn.ENGINE, "model": config.model or randattn.DEFAULT_MODEL,
+              "traces": trace_label(traces), "budget": config.budget, "buffer": config.buffer, "rounds": config.rounds,
+              "length": length, "sequences": config.sequences, "batch": config.batch, "seed": config.seed,
+              "age_bin": config.age_bin, "entropy_bins": config.entropy_bins, "kv_heads": n_heads, "layers": n_layers,
+              **run_record(model)}
     try:
-        trace_label = str(traces.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        trace_label = str(traces)
-    config = {"probe": "survival", "engine": randattn.ENGINE, "model": args.model or randattn.DEFAULT_MODEL,
-              "traces": trace_label,
-              "budget": args.budget, "buffer": args.buffer, "rounds": args.rounds, "length": length,
-              "sequences": args.sequences, "batch": args.batch, "seed": args.seed, "age_bin": args.age_bin,
-              "entropy_bins": args.entropy_bins, "kv_heads": n_heads, "layers": n_layers, "revision": git_revision()}
-    out = Path(args.out) if args.out else REPO_ROOT / "data" / "results" / "survival" / f"{_slug(config)}.jsonl"
-    try:
-        results = ResultsFile(out, config, ("policy", "mode", "sequence"), restart=args.restart)
-    except ValueError as exc:
-        p.error(str(exc))
-
-    groups = batches(chats, args.batch)
+        results = ResultsFile(folder / f"{_slug(record)}.jsonl", record, ("policy", "mode", "sequence"),
+                              restart=config.restart)
+    except (ValueError, PermissionError) as exc:
+        raise ConfigError("out", str(exc)) from None
+    groups = batches(chats, config.batch)
     lps = sorted({c.prompt_len for c in chats})
-    qs = {m: [round(keepstats.random_round_survival(args.budget, args.buffer, lp, MODES[m]), 4) for lp in lps]
-          for m in modes}
-    print(f"model {config['model']} ({n_layers} layers, {n_heads} KV heads) | K={args.budget} r={args.buffer} | "
-          f"{len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), {args.rounds} rounds "
+    qs = {m: [round(keepstats.random_round_survival(config.budget, config.buffer, lp, MODES[m]), 4) for lp in lps]
+          for m in config.modes}
+    print(f"model {record['model']} ({n_layers} layers, {n_heads} KV heads) | T={config.budget} r={config.buffer} | "
+          f"{len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), {config.rounds} rounds "
           f"per layer | Random per-round survival: "
           + "; ".join(f"{m} {'/'.join(map(str, v))}" for m, v in qs.items()))
-    jobs = [(pol, mode, bi, batch) for pol in policies for mode in modes_of(pol, modes) for bi, batch in enumerate(groups)]
+    jobs = [(pol, mode, bi, batch) for pol in config.policies for mode in modes_of(pol, config.modes)
+            for bi, batch in enumerate(groups)]
     todo = [j for j in jobs if any((j[0], j[1], c.index) not in results.done for c in j[3])]
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="survival", unit="run")
-    t0 = time.perf_counter()
     for pol, mode, bi, batch in todo:
         bar.set_postfix_str(f"{pol}/{mode}")
-        new = run_batch(model, batch, pol, mode, args, options[pol], seed=args.seed * 1_000_003 + bi)
-        if new[0]["rounds_min"] != args.rounds or new[0]["rounds_max"] != args.rounds:
+        new = run_batch(model, batch, pol, mode, config, options[pol], seed=config.seed * 1_000_003 + bi)
+        if new[0]["rounds_min"] != config.rounds or new[0]["rounds_max"] != config.rounds:
             tqdm.write(f"note: {pol}/{mode} ran {new[0]['rounds_min']}-{new[0]['rounds_max']} rounds per layer, "
-                       f"not {args.rounds} (a prompt longer than K + r is cut at its prefill)")
-        results.append([r for r in new if (pol, mode, r["sequence"]) not in results.done])
+                       f"not {config.rounds} (a prompt longer than T + r is cut at its prefill)")
+        results.append(new)
         bar.update(1)
     bar.close()
-    wanted = {(pol, mode) for pol in policies for mode in modes_of(pol, modes)}
-    mine = [r for r in results.rows if (r["policy"], r["mode"]) in wanted]
-    pooled = pool(mine)
-    n_mid = max(1, args.rounds // 2)
-    print(f"\nkeep-log metrics ({len(chats)} sequences; time {time.perf_counter() - t0:.0f}s this run). slot cov = "
-          "share of generated positions some head kept at some round; prompt U / prompt/h = prompt kept at the "
-          "last round by >= 1 head / per head; Jaccard = overlap of heads' generated keep-sets; entropy = spread "
-          f"of kept slots over {args.entropy_bins} age bins (1 = even); s_h, s_U = per-head / union survival after "
-          f"n rounds; deficit = independent-heads union minus measured union (mean over n)")
+    wanted = {(pol, mode) for pol in config.policies for mode in modes_of(pol, config.modes)}
+    return results, [r for r in results.rows if (r["policy"], r["mode"]) in wanted], n_heads
+
+
+def report(config: Config, results: ResultsFile, rows: list[dict], n_heads: int) -> None:
+    pooled = pool(rows)
+    n_mid = max(1, config.rounds // 2)
+    print(f"\nkeep-log metrics ({config.sequences} sequences). slot cov = share of generated positions some head "
+          "selected at some round; prompt U / prompt/h = prompt kept at the last round by >= 1 head / per head; "
+          "Jaccard = overlap of heads' selected keep-sets; entropy = spread of selected slots over "
+          f"{config.entropy_bins} age bins (1 = even); s_h, s_U = per-head / union survival after n rounds competed in; "
+          "deficit = independent-heads union minus measured union (mean over n)")
     for line in metrics_table(pooled, n_mid):
         print(line)
-    for mode in modes:
+    for mode in config.modes:
         if ("random", mode) in pooled:
             print()
             for line in random_table(pooled[("random", mode)], n_heads):
                 print(line)
     print(f"\nrows: {results.path}")
-    if not args.no_figure:
-        from figures.survival import plot
+    if not config.no_figure:
+        cli.draw("survival", results.path, config.figure_dir)
 
-        for path in plot(results.path, args.figure_dir, policies=policies, modes=modes):
-            print(f"figure: {path}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,18 @@ from __future__ import annotations
 import json
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from randattn.traces import load_traces  # noqa: F401  (re-exported for the probes)
 
-from .common import base_parser, positive_int
+from . import cli
+from .config import POSITIVE, PROBABILITY, RunConfig, option
+from .planted_run import load
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
          "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yusuf", "Zara"]
@@ -88,20 +92,31 @@ def _done(path: Path) -> tuple[int, int]:
     return rows, tokens
 
 
+@dataclass
+class Config(RunConfig):
+    """Write reasoning traces of a model (``python -m probes.traces``)."""
+
+    out: Optional[str] = option(None, "the JSONL file to write (default: data/traces/smollm2-135m.jsonl under the "
+                                      "current folder); resumes")
+    tokens: int = option(100_000, "stop once the file holds this many trace tokens", check=POSITIVE)
+    batch: int = option(16, "problems generated together", check=POSITIVE)
+    max_new_tokens: int = option(384, "tokens per trace at most", check=POSITIVE)
+    temperature: float = option(0.7, "sampling temperature", check=POSITIVE)
+    top_p: float = option(0.95, "nucleus sampling", check=PROBABILITY)
+
+
 def main(argv=None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=positive_int, default=100_000, help="stop once the file holds this many trace tokens")
-    p.add_argument("--batch", type=positive_int, default=16, help="problems generated together")
-    p.add_argument("--max-new-tokens", type=positive_int, default=384)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.95)
-    args = p.parse_args(argv)
+    return cli.main(Config, run, argv, __doc__)
+
+
+def run(config: Config) -> int:
+    args = config
     import randattn
 
     out = Path(args.out or "data/traces/smollm2-135m.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, tokens = _done(out)
-    model, tok = randattn.load_model(args.model, device=args.device)
+    model, tok = load(config)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -122,8 +137,12 @@ def main(argv=None) -> int:
             gen = model.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
                                  max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
         new = gen[:, enc["input_ids"].shape[1]:]
+        written = 0
         with open(out, "a") as f:
             for i, (pr, ids) in enumerate(zip(problems, new)):
+                if tokens >= args.tokens:  # the target is reached within this batch: the rest is not kept
+                    break
+                written += 1
                 ids = ids[ids != tok.pad_token_id] if tok.pad_token_id != tok.eos_token_id else ids
                 ids = ids[: (ids == tok.eos_token_id).nonzero()[0, 0]] if (ids == tok.eos_token_id).any() else ids
                 text = tok.decode(ids, skip_special_tokens=True).strip()
@@ -131,7 +150,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(row) + "\n")
                 tokens += row["tokens"]
                 bar.update(row["tokens"])
-        rows += len(problems)
+        rows += written
     bar.close()
     print(f"{out}: {rows} traces, {tokens} tokens")
     return 0

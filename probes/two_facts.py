@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 
-from randattn.stats import bootstrap
+from randattn.analysis.planted import endpoint_check, pair_tests, summarize
 
+from . import cli
+from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import (describe, endpoint_check, lp_table, parity_check, planted_parser, print_table, run_conditions,
-                          setup, summarize, write_csv)
+from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
 
 
 def two_fact_conditions(n_heads: int, width: int, pairs=None) -> list[Condition]:
@@ -40,62 +42,52 @@ def two_fact_conditions(n_heads: int, width: int, pairs=None) -> list[Condition]
     return conds
 
 
-def _cols(rows, fact, names):
-    t = lp_table(rows, fact)
-    inst = sorted(set.intersection(*(set(t[n]) for n in names)))
-    return [[t[n][i][0] for i in inst] for n in names]
+@dataclass
+class Config(PlantedConfig):
+    """Two facts in two heads (``python -m probes.two_facts``)."""
+
+    instances: int = option(32, "instances (paired across conditions)", check=POSITIVE)
 
 
-def pair_tests(rows, a: int, b: int, seed: int = 0) -> dict:
-    """Superadditivity (together vs the sum of singles, on both answers) and interference (x with and without y)."""
-    both, xa, yb = f"x@{a}+y@{b}", f"x@{a}", f"y@{b}"
-    cols = _cols(rows, None, [both, xa, yb, "deleted", "all"])
-    sup = bootstrap(lambda t, x, y, d, al: (t - x - y + d).sum(-1) / (al - d).sum(-1), *cols, seed=seed)
-    cols = _cols(rows, 0, [both, xa, "deleted", "all"])
-    inter = bootstrap(lambda t, x, d, al: (t - x).sum(-1) / (al - d).sum(-1), *cols, seed=seed)
-    return {"superadditivity": sup, "x_interference": inter}
-
-
-def main(argv=None) -> int:
-    p = planted_parser(__doc__.splitlines()[0], instances=32)
-    args = p.parse_args(argv)
-    s = setup("two_facts", args, p, n_facts=2)
+def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
+    s = setup("two_facts", config, n_facts=2, loaded=None if model is None else (model, tokenizer))
     print(describe(s))
     if s.n_heads < 2:
-        p.error("two facts in two heads need a model with >= 2 KV heads")
-    conds = two_fact_conditions(s.n_heads, args.box_width,
+        raise ConfigError("model", "two facts in two heads need a model with >= 2 KV heads")
+    conds = two_fact_conditions(s.n_heads, config.box_width,
                                 pairs=None if s.n_heads <= 4 else [(h, (h + 1) % s.n_heads) for h in range(s.n_heads)])
-    parity_check(s, conds[-1], args.parity)
-    rows = run_conditions(s, conds, desc="two facts")
-    names = [c.name for c in conds]
+    parity_check(s, conds[-1], config.parity)
+    return s, run_conditions(s, conds, desc="two facts")
+
+
+def report(s: Session, rows: list[dict]) -> None:
+    seed = s.config.seed
+    names = list(dict.fromkeys(r["condition"] for r in rows))
     table = []
     for label, fact in (("x", 0), ("y", 1), ("x and y", None)):
-        summaries = summarize(rows, names, fact=fact, seed=args.seed)
+        summaries = summarize(rows, names, fact=fact, seed=seed)
         print(f"\n== answer {label} ==")
         print_table(summaries)
         table += [{"answer": label, **x.as_row()} for x in summaries.values()]
     print()
-    for c in conds:
-        if c.meta.get("x_head") is not None and c.meta.get("y_head") is not None:
-            a, b = c.meta["x_head"], c.meta["y_head"]
-            t = pair_tests(rows, a, b, args.seed)
+    for name in names:
+        if name.startswith("x@") and "+y@" in name:
+            a, b = (int(h) for h in name.replace("x@", "").replace("y@", "").split("+"))
+            t = pair_tests(rows, a, b, seed)
             sup, inter = t["superadditivity"], t["x_interference"]
             verdict = "superadditive" if sup.lo > 0 else "subadditive" if sup.hi < 0 else "additive within CI"
             print(f"x@{a}+y@{b}: R_xy(together) - R_xy(x@{a}) - R_xy(y@{b}) = {sup:.3f} ({verdict}); "
                   f"R_x with y in head {b} minus without = {inter:.3f}")
-            table.append({"answer": "x and y", "condition": f"{c.name} - x@{a} - y@{b}", "n": sup.n,
+            table.append({"answer": "x and y", "condition": f"{name} - x@{a} - y@{b}", "n": sup.n,
                           **sup.as_dict("recall")})
     for fact in (0, 1):
-        _, text = endpoint_check(rows, fact=fact, seed=args.seed)
+        _, text = endpoint_check(rows, fact=fact, seed=seed)
         print(f"fact {'xy'[fact]}: {text}")
-    path = write_csv(s.results.path.with_suffix(".summary.csv"), table)
-    print(f"\nrows: {s.results.path}\nsummary: {path}")
-    if not args.no_figure:
-        from figures.two_facts import plot
+    finish(s, table, "two_facts")
 
-        for f in plot(s.results.path, args.figure_dir):
-            print(f"figure: {f}")
-    return 0
+
+def main(argv=None) -> int:
+    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
 
 if __name__ == "__main__":

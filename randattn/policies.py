@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .seeding import round_seed
+
 __all__ = [
     "CacheView",
     "Policy",
@@ -452,8 +454,6 @@ class RandomPromptMixPolicy(Policy):
 
     def archivists(self, view: CacheView) -> torch.Tensor:
         """Bool ``[H_kv]``: which heads of this layer keep the whole prompt."""
-        from .cache import round_seed
-
         gen = torch.Generator(device="cpu").manual_seed(round_seed(view.seed, view.layer_idx, 0x70_6D_69_78))
         h = view.shape[1]
         roles = torch.rand(h, generator=gen) < self.p

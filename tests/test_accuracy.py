@@ -159,12 +159,18 @@ def _rows(path):
 
 
 def _run(tiny_dir, tmp_path, *flags):
+    """Run the harness into the folder ``tmp_path/acc``; returns ``(exit code, the results file written there)``."""
     from probes import accuracy
 
-    out = tmp_path / "acc.jsonl"
-    code = accuracy.main(["--model", tiny_dir, "--task", "copy", "--out", str(out), "--figure-dir", str(tmp_path),
+    folder = tmp_path / "acc"
+    code = accuracy.main(["--model", tiny_dir, "--task", "copy", "--out", str(folder), "--figure-dir", str(tmp_path),
                           "--buffer", "8", "--max-new-tokens", "40", *flags])
-    return code, out
+    return code, _written(folder)
+
+
+def _written(folder):
+    files = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    return files[0] if len(files) == 1 else folder / "missing.jsonl"
 
 
 def test_harness_rows_resume_table_and_figure(tiny_dir, tmp_path, capsys):
@@ -287,13 +293,16 @@ def test_compression_sweep_sets_k_from_full_attention_length(tiny_dir, tmp_path)
     (["--task", "nope"], "--task"),
     (["--budget", "300", "--compression", "2"], "--compression"),
     (["--policy", "random", "--budget", "100"], "--no-protect-prompt"),  # cannot hold the 213-token prompt
-    (["--policy", "random", "--compression", "4"], "--compression 4"),
+    (["--policy", "random", "--compression", "4"], "--compression: 4"),
     (["--policy-option", "h2o:nope=1"], "--policy-option"),
     (["--policy-option", "h2o-recent"], "POLICY:KEY=VALUE"),
     (["--policy", "triattention"], "--stats"),
     (["--task", "math500", "--policy", "random"], "--data FILE.jsonl"),
     (["--task", "copy", "--data", "x.jsonl"], "--data"),
-    (["--runs", "0"], "positive integer"),
+    (["--runs", "0"], "--runs: must be a positive number, got 0"),
+    (["--temperature", "nan"], "--temperature: must be a non-negative number, got nan"),
+    (["--compression", "nan"], "--compression: must be a positive number, got nan"),
+    (["--protocol", "grid", "--no-protect-prompt"], "disagree"),
 ])
 def test_bad_flags_name_the_flag_and_the_fix(tiny_dir, tmp_path, capsys, monkeypatch, flags, message):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -308,11 +317,11 @@ def test_math_task_from_a_data_file_runs_and_grades(tiny_dir, tmp_path):
     data = tmp_path / "m.jsonl"
     data.write_text("\n".join(json.dumps({"id": f"m{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)})
                               for i in range(3)) + "\n")
-    out = tmp_path / "m.jsonl.out"
+    out = tmp_path / "m"
     assert accuracy.main(["--model", tiny_dir, "--task", "math500", "--data", str(data), "--policy", "full", "random",
                           "--budget", "64", "--buffer", "4", "--runs", "1", "--max-new-tokens", "12", "--out",
                           str(out), "--no-figure"]) == 0
-    rows = _rows(out)
+    rows = _rows(_written(out))
     assert {r["problem"] for r in rows} == {"m0", "m1", "m2"} and all(r["grade"] in (0.0, 1.0) for r in rows)
     assert all(r["config"]["data"] for r in rows) and all(r["answer"] == str(2 * int(r["problem"][1:])) for r in rows)
 
@@ -383,13 +392,11 @@ def test_accuracy_figure_plots_the_rows(monkeypatch, tmp_path):
         return out
 
     def plotted(grade):
-        path = tmp_path / f"rows{grade}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows(grade)))
         points = []
         real = figures.style.errorbar
         monkeypatch.setattr(figures.style, "errorbar",
                             lambda ax, x, est, **kw: (points.append(round(est.value, 6)), real(ax, x, est, **kw))[1])
-        files = plot(path, tmp_path, name=f"acc{grade}")
+        files = plot(rows(grade), tmp_path, name=f"acc{grade}")
         assert all(f.exists() for f in files)
         return sorted(points)
 
@@ -452,11 +459,11 @@ def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_d
     assert [q.id for q in load_problems(get_task("repeat"))] == [f"repeat-{i}" for i in range(8)]
     from probes import accuracy
 
-    out = tmp_path / "rep.jsonl"
+    out = tmp_path / "rep"
     assert accuracy.main(["--model", tiny_dir, "--task", "repeat", "--policy", "random", "--compression", "2",
                           "--problems", "2", "--runs", "1", "--max-new-tokens", "200", "--out", str(out),
                           "--no-figure"]) == 0
-    rows = _rows(out)
+    rows = _rows(_written(out))
     assert {r["policy"] for r in rows} == {"full", "random"}
     assert all(r["prompt_len"] < 80 and r["events"] > 0 for r in rows if r["policy"] == "random")
 

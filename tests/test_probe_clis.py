@@ -10,13 +10,16 @@ SMALL = ["--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2",
 
 
 def _rows(path):
+    """The rows of a results file, or of the one results file (``*.jsonl``) in a folder (``--out`` is a folder)."""
+    if path.is_dir():
+        (path,) = [p for p in path.glob("*.jsonl") if not p.name.startswith("nll-")]
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_head_pooling_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
     from probes import head_pooling
 
-    out = tmp_path / "hp.jsonl"
+    out = tmp_path / "hp"
     args = ["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), *SMALL]
     assert head_pooling.main(args + ["--instances", "2"]) == 0
     first = _rows(out)
@@ -30,9 +33,12 @@ def test_head_pooling_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
     rows = _rows(out)
     assert rows[: len(first)] == first and len(rows) == 3 * 10
     assert len({(r["instance"], r["condition"]) for r in rows}) == len(rows)
+    # other settings go to another file (named by them); settings the name does not carry cannot be mixed in
+    assert head_pooling.main(args + ["--instances", "2", "--budget", "80", "--no-figure", "--parity", "0"]) == 0
+    assert len(list(out.glob("*.jsonl"))) == 2
     with pytest.raises(SystemExit):
-        head_pooling.main(args[:-len(SMALL)] + ["--budget", "80", "--buffer", "12", "--distance", "90"])
-    assert "--restart" in capsys.readouterr().err
+        head_pooling.main(args + ["--instances", "2", "--box-width", "10"])
+    assert "--out:" in (err := capsys.readouterr().err) and "box_width" in err and "--restart" in err
 
 
 @pytest.mark.parametrize("probe,n_conds", [("scatter", 9), ("two_facts", 15)])
@@ -40,14 +46,14 @@ def test_scatter_and_two_facts_run(tiny_dir, tmp_path, probe, n_conds):
     import importlib
 
     mod = importlib.import_module(f"probes.{probe}")
-    out = tmp_path / f"{probe}.jsonl"
+    out = tmp_path / probe
     assert mod.main(["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), "--instances", "2",
                      *SMALL]) == 0
     rows = _rows(out)
     facts = 2 if probe == "two_facts" else 1
     assert len(rows) == 2 * n_conds * facts
     assert (tmp_path / f"{probe}.png").exists()
-    assert out.with_suffix(".summary.csv").exists()
+    (summary,) = out.glob("*-score-only.summary.csv")  # one spelling of protection in file names
 
 
 def test_blocks_runs_both_parts(tiny_dir, tmp_path):
@@ -59,7 +65,7 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     assert {r["arm"] for r in nll} == {"full", "block1", "block32"} and len(nll) == 6
     assert all(r["rounds"] > 0 for r in nll if r["arm"] != "full")
     assert all(r["rounds"] == 0 for r in nll if r["arm"] == "full")
-    assert len(_rows(tmp_path / "planted-block32.jsonl")) == 2 * 3
+    assert len(_rows(next(tmp_path.glob("*-block32-*score-only.jsonl")))) == 2 * 3
     assert (tmp_path / "blocks.png").exists()
 
 
@@ -67,13 +73,17 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     (["--policy", "nope"], "--policy"),
     (["--box-width", "16"], "--box-width"),
     (["--traces", "/nonexistent.jsonl"], "probes.traces"),
-    (["--instances", "0"], "positive integer"),
+    (["--instances", "0"], "--instances: must be a positive number, got 0"),
+    (["--parity", "-1"], "--parity: must be a non-negative number"),
+    (["--budget", "abc"], "expected an integer, got 'abc'"),
+    (["--buffer", "64"], "--budget: T=64 must exceed r=64"),
+    (["--seed", "-1"], "--seed: must be a non-negative number"),
 ])
 def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
     from probes import head_pooling
 
     with pytest.raises(SystemExit):
-        head_pooling.main(["--model", tiny_dir, "--out", str(tmp_path / "x.jsonl"), *SMALL, *flags])
+        head_pooling.main(["--model", tiny_dir, "--out", str(tmp_path / "x"), *SMALL, *flags])
     assert message in capsys.readouterr().err
 
 
@@ -84,10 +94,11 @@ def test_passcode_counts_the_rounds_from_the_event_counter(tiny_dir, tmp_path, c
                           "2", "--batch", "2", "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
                           "--policies", "random", "recency", "h2o"]) == 0
     for policy in ("random", "recency", "h2o"):
-        rows = [r for r in _rows(tmp_path / f"{policy}.jsonl") if r["condition"] == "policy"]
+        (path,) = tmp_path.glob(f"*-{policy}-K96-*-protected.jsonl")
+        rows = [r for r in _rows(path) if r["condition"] == "policy"]
         assert len(rows) == 2 and all(r["rounds_after_fact"] == 5 for r in rows)
         assert all(r["config"]["protect_prompt"] for r in rows)
-    refs = [r for r in _rows(tmp_path / "random.jsonl") if r["condition"] != "policy"]
+    refs = [r for r in _rows(next(tmp_path.glob("*-random-K96-*.jsonl"))) if r["condition"] != "policy"]
     assert {r["condition"] for r in refs} == {"kept", "full"}
     assert all(r["rounds"] == 0 for r in refs if r["condition"] == "full")
     out = capsys.readouterr().out
@@ -98,7 +109,7 @@ def test_passcode_counts_the_rounds_from_the_event_counter(tiny_dir, tmp_path, c
 def test_prompt_protection_pairs_every_policy_with_and_without_protection(tiny_dir, tmp_path):
     from probes import prompt_protection
 
-    out = tmp_path / "pp.jsonl"
+    out = tmp_path / "pp"
     assert prompt_protection.main(["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path),
                                    "--instances", "3", "--batch", "2", "--budget", "128", "--buffer", "8", "--body",
                                    "120", "--policies", "random", "snapkv"]) == 0
@@ -112,7 +123,7 @@ def test_prompt_protection_pairs_every_policy_with_and_without_protection(tiny_d
 def test_shared_draw_runs_all_three_parts(tiny_dir, tmp_path, monkeypatch, capsys):
     from probes import shared_draw
 
-    monkeypatch.chdir(tmp_path)  # the passcode part writes under data/results/passcode like probes.passcode
+    monkeypatch.chdir(tmp_path)  # nothing may be written outside --out and --figure-dir
     assert shared_draw.main(["--model", tiny_dir, "--out", str(tmp_path / "sd"), "--instances", "2",
                              "--sequences", "2", "--length", "160", "--rounds", "4", "--passcode-instances", "2",
                              "--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2",
@@ -122,4 +133,5 @@ def test_shared_draw_runs_all_three_parts(tiny_dir, tmp_path, monkeypatch, capsy
     assert "shared - per-head" in out and "passcode stated once" in out
     nll = _rows(next((tmp_path / "sd").glob("nll-*.jsonl")))
     assert {r["arm"] for r in nll} == {"full", "random", "random-shared"}
-    assert len(list((tmp_path / "data/results/passcode").glob("*.jsonl"))) == 2
+    assert len(list((tmp_path / "sd" / "passcode").glob("*.jsonl"))) == 2  # the passcode part under --out too
+    assert not (tmp_path / "data").exists()
