@@ -18,6 +18,7 @@ these helpers only set the wrappers up the way that works and drive a decode loo
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 import tempfile
@@ -75,9 +76,18 @@ def _tl_fix_hint() -> str:
     )
 
 
+def _require(module: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{module} is not installed; it is an optional extra: pip install \"randattn[{extra}]\""
+                          + (" (which pins transformers < 5.24, the range transformer-lens 4.3 works in)"
+                             if extra == "transformer-lens" else "")) from exc
+
+
 def nnsight_model(model, tokenizer):
     """Wrap an already-loaded HF model for nnsight tracing (no reload, weights shared)."""
-    from nnsight import TransformersModel
+    TransformersModel = _require("nnsight", "nnsight").TransformersModel
 
     return TransformersModel(model, tokenizer=tokenizer)
 
@@ -93,8 +103,8 @@ def transformer_lens_bridge(model, tokenizer, *, label: str | None = None):
     bridge ignores a passed cache; :func:`bridge_decode` refuses to decode with it.
     """
     from transformers import AutoTokenizer
-    from transformer_lens.model_bridge import TransformerBridge
 
+    TransformerBridge = _require("transformer_lens.model_bridge", "transformer-lens").TransformerBridge
     if _known_broken_pair():
         warnings.warn("cached decoding through this bridge will not work: " + _tl_fix_hint(), RuntimeWarning,
                       stacklevel=2)

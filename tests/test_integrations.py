@@ -152,3 +152,15 @@ def test_bridge_on_a_broken_pair_refuses_to_decode(tmp_path):
         warnings.simplefilter("ignore", FutureWarning)  # the bridge passes the deprecated name
         with pytest.raises(CacheNotUsedError, match="This is the transformers 5.24 rename"):
             bridge_decode(bridge, random_ids(1, 10, seed=8), cache, 3)
+
+
+def test_missing_front_end_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nnsight", None)  # import nnsight -> ImportError
+    monkeypatch.setitem(sys.modules, "transformer_lens", None)
+    monkeypatch.setitem(sys.modules, "transformer_lens.model_bridge", None)
+    with pytest.raises(ImportError, match=r'pip install "randattn\[nnsight\]"'):
+        nnsight_model(None, None)
+    with pytest.raises(ImportError, match=r'pip install "randattn\[transformer-lens\]".*transformers < 5.24'):
+        transformer_lens_bridge(None, None)
