@@ -107,13 +107,21 @@ def order_summary(positions: torch.Tensor, rel_err: torch.Tensor, *, prompt_len:
     }
 
 
+def _cache_kwarg(model) -> str:
+    """The forward keyword that takes a cache: ``cache`` from transformers 5.24 on, else ``past_key_values``
+    (randattn.cache_argument_name, repeated here: the peer environment has no randattn)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def full_keys(model, ids: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer ``layer``'s post-RoPE keys of one uncompressed forward over ``ids [1, T]``: ``[H, T, D]``."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, use_cache=True, **{_cache_kwarg(model): cache})
     return cache.layers[layer].keys[0]
 
 
@@ -172,8 +180,8 @@ def generate(model, ids, new_tokens: int, press=None):
     ctx = press(model) if press is not None else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ctx, torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, **{_cache_kwarg(model): cache})
     return out, cache, time.perf_counter() - t0
 
 

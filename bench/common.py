@@ -6,17 +6,17 @@ import argparse
 import json
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 import randattn
+from probes.common import base_parser, check_policies, positive_int  # noqa: F401  (re-exported for the scripts)
 
+# The checkout bench/ sits in (for `git rev-parse` and the default trace / result paths); with a
+# non-editable install it is site-packages, where there is no git and no data/ (see README).
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-from probes.common import base_parser, check_policies, positive_int  # noqa: E402,F401  (re-exported for the scripts)
 
 PROMPT = "Solve step by step: a train travels 180 km in 2.5 hours, then 120 km in 1.5 hours. What is its average speed?"
 
@@ -67,8 +67,8 @@ def warm_up(model, prompt) -> None:
     randattn.generate(model, prompt, randattn.EvictingCache("random", budget=prompt.shape[1] + 1, buffer=2,
                                                             protect_prompt=False),
                       max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=DynamicCache(), max_new_tokens=8,
-                   min_new_tokens=8, do_sample=False)
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                   **{randattn.cache_argument_name(model): DynamicCache()})
 
 
 def prepare(p: argparse.ArgumentParser, argv):
@@ -155,7 +155,8 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     if policy is None or policy == WINDOW:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kwargs)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{randattn.cache_argument_name(model): cache},
+                             **kwargs)
     else:
         out = randattn.generate(model, ids, cache, **kwargs)
     if ids.is_cuda:

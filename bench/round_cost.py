@@ -23,8 +23,7 @@ import torch
 import randattn
 from randattn.cache import EvictingLayer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from probes.common import positive_int  # noqa: E402
+from probes.common import positive_int
 
 # (label, H_kv, H_q, head_dim, K, r)
 SHAPES = [

@@ -3,13 +3,10 @@
 never asserted."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not an installed package
 
 PROMPT_LEN = 70  # bench.common.PROMPT under SmolLM2's chat template
 K, R = 80, 8
@@ -131,3 +128,23 @@ def test_bad_flags_name_the_flag(tiny_dir, script, flags, needle, capsys, tmp_pa
         mod.main(["--model", tiny_dir, "--out", str(tmp_path / "x.json"), "--budget", str(K), "--buffer", str(R),
                   *flags])
     assert needle in capsys.readouterr().err
+
+
+def test_bench_is_a_package_without_sys_path_edits():
+    """bench/ imports probes and its own modules by package (installed, or the checkout as cwd), never by editing sys.path."""
+    root = Path(__file__).resolve().parents[1]
+    for f in sorted((root / "bench").glob("*.py")):
+        assert "sys.path" not in f.read_text(), f"{f.name} edits sys.path"
+
+
+def test_python_m_bench_runs_from_the_repo_root():
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # `python -m` puts the cwd first on sys.path
+    res = subprocess.run([sys.executable, "-m", "bench.round_cost", "--help"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout and "--repeats" in res.stdout
