@@ -113,7 +113,7 @@ def test_flags_are_checked(selectors, tiny_dir, tmp_path, capsys):
 def test_an_oracle_that_pins_the_passcode_wins_the_passcode_test(selectors, embedded, tmp_path, capsys):
     from probes.passcode import FACT, INSTRUCTION, QUERY, passcode_distance
     from probes.planted import InstanceBuilder
-    from probes.planted_run import DEFAULT_TRACES
+    from probes.results import DEFAULT_TRACES
     from randattn.traces import load_traces
 
     rounds = 24

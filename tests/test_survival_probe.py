@@ -84,7 +84,8 @@ def test_random_keep_log_survival_from_a_real_decode_matches_the_analytic_curve(
     protected: per-head survival after n rounds within 4 binomial standard errors + 0.01 of
     ((K-lp)/(K+r-lp))^n and the union within the same of 1-(1-s)^3, for every n with >= 1,000
     observations. Recency decoded the same way fails the same check."""
-    from probes.survival import DEFAULT_TRACES, read_rows
+    from probes.results import DEFAULT_TRACES
+    from probes.survival import read_rows
 
     model, tok = embedded
     question = read_rows(DEFAULT_TRACES)[3]["question"]
