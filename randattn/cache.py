@@ -36,7 +36,7 @@ __all__ = ["EvictingCache", "EvictingLayer", "round_seed", "ENGINE"]
 #: every selector as the paper ran it). Rows written before it lack the key, so they are never resumed into.
 ENGINE = "paper"
 
-from .seeding import round_seed  # noqa: E402  (re-exported: randattn.round_seed)
+from .seeding import _check_seed, round_seed  # noqa: E402  (round_seed re-exported: randattn.round_seed)
 
 
 @dataclass(frozen=True)
@@ -317,8 +317,7 @@ class EvictingCache(Cache):
         if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
                                        or prompt_len < 0):
             raise ValueError(f"prompt_len must be a non-negative integer or None, got {prompt_len!r}")
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        seed = _check_seed(seed)
         if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
             name = policy if isinstance(policy, str) else self.policy.name
             raise ValueError(
@@ -338,6 +337,9 @@ class EvictingCache(Cache):
         self.round_seconds = 0.0
         self.sync_timing = False  # set True to synchronise CUDA around rounds for exact timers
         self._rules: list[_KeepRule] = []
+        # (layers, KV heads) of the model, once known (told by install_guards' hook before the first forward, or
+        # learnt from the forwards): keep-mask rules naming a layer or head outside it are refused.
+        self._model_shape: Optional[tuple[Optional[int], Optional[int]]] = None
         self._shared: Optional[tuple] = None  # (round key, per-layer scores) of a policy scored across layers
         needs = set(getattr(self.policy, "needs", ()))
         self.needs_attention = "attention" in needs
@@ -366,6 +368,7 @@ class EvictingCache(Cache):
         self.keep_log = KeepLog(recent=self.recent) if self._keep_log_on else None
         self.round_seconds = 0.0
         self._rules = []
+        self._model_shape = None
         self._shared = None
 
     # -- HF cache API --------------------------------------------------------------------------
@@ -391,6 +394,9 @@ class EvictingCache(Cache):
         self._layer(layer_idx).observe_queries(queries, scaling, self.query_window)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._rules and (layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized
+                            or (layer_idx == 0 and (self._model_shape is None or self._model_shape[0] is None))):
+            self._learn_shape(layer_idx, key_states)  # before this layer stores anything of this forward
         layer = self._layer(layer_idx)
         if layer.seq_len == 0 and self.prompt_len is None:
             self.prompt_len = key_states.shape[-2]
@@ -448,21 +454,65 @@ class EvictingCache(Cache):
     def clear_keep_masks(self) -> None:
         self._rules.clear()
 
+    # Out-of-range layers would be ignored and heads caught only at a round: both are refused as soon as the shape
+    # is known (at pin time when it is; else before the first forward through install_guards' hook, else at the
+    # first update of each layer for heads and at the second forward for layers).
+    def _bind_model_shape(self, n_layers: Optional[int], n_heads: Optional[int]) -> None:
+        """The model's (layers, KV heads), from its config; checks every keep-mask rule registered so far."""
+        shape = (n_layers, n_heads)
+        for rule in self._rules:
+            self._check_rule_shape(rule, *shape)
+        self._model_shape = shape
+
+    def _learn_shape(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Without the hook: heads from the first keys a layer stores; layers once layer 0 sees a second forward."""
+        known_layers, known_heads = self._model_shape or (None, None)
+        if known_layers is None and layer_idx == 0 and self.layers and self.layers[0].is_initialized:
+            known_layers = len(self.layers)
+        heads = key_states.shape[1] if key_states.dim() == 4 else known_heads
+        for rule in self._rules:
+            self._check_rule_shape(rule, known_layers, heads, layer_idx)
+        if known_layers is not None and (self._model_shape is None or self._model_shape[0] is None):
+            self._model_shape = (known_layers, known_heads)
+
+    @staticmethod
+    def _check_rule_shape(rule: "_KeepRule", n_layers: Optional[int], n_heads: Optional[int],
+                          layer_idx: Optional[int] = None) -> None:
+        kind = "pin" if rule.pin else "force_evict"
+        if n_layers is not None and rule.layers is not None:
+            bad = sorted(i for i in rule.layers if i >= n_layers)
+            if bad:
+                raise ValueError(f"keep-mask {kind}(layers={sorted(rule.layers)}): layers {bad} out of range: the model "
+                                 f"has {n_layers} layers, valid indices 0..{n_layers - 1}; remove the rule with "
+                                 f"clear_keep_masks() and register it with layers in that range")
+        if n_heads is not None and rule.heads is not None and (layer_idx is None or rule.layers is None
+                                                              or layer_idx in rule.layers):
+            bad = sorted(h for h in rule.heads if h >= n_heads)
+            if bad:
+                where = "" if layer_idx is None else f" at layer {layer_idx}"
+                raise ValueError(f"keep-mask {kind}(heads={sorted(rule.heads)}): heads {bad} out of range: the model has "
+                                 f"{n_heads} KV heads{where}, valid indices 0..{n_heads - 1}; remove the rule with "
+                                 f"clear_keep_masks() and register it with heads in that range")
+
     def _add_rule(self, positions, layers, heads, *, pin: bool) -> None:
         pos = torch.as_tensor(list(positions) if not torch.is_tensor(positions) else positions, dtype=torch.long).flatten().cpu()
         if pos.numel() and int(pos.min()) < 0:
             raise ValueError(f"positions must be absolute token positions >= 0, got min {int(pos.min())}")
+        layers = None if layers is None else list(layers)  # a generator is read once, not once per check
+        heads = None if heads is None else list(heads)
         for name, sel in (("layers", layers), ("heads", heads)):
-            if sel is not None and any((not isinstance(i, (int, np.integer))) or i < 0 for i in sel):
-                raise ValueError(f"{name} must be non-negative integer indices, got {list(sel)!r}")
-        self._rules.append(
-            _KeepRule(
-                positions=pos,
-                layers=None if layers is None else frozenset(int(i) for i in layers),
-                heads=None if heads is None else frozenset(int(i) for i in heads),
-                pin=pin,
-            )
+            if sel is not None and any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) or i < 0
+                                       for i in sel):
+                raise ValueError(f"{name} must be non-negative integer indices, got {sel!r}")
+        rule = _KeepRule(
+            positions=pos,
+            layers=None if layers is None else frozenset(int(i) for i in layers),
+            heads=None if heads is None else frozenset(int(i) for i in heads),
+            pin=pin,
         )
+        if self._model_shape is not None:
+            self._check_rule_shape(rule, *self._model_shape)
+        self._rules.append(rule)
 
     # -- the round -------------------------------------------------------------------------------
     def _check_prompt_fits(self, prompt_len: int) -> None:

@@ -262,7 +262,10 @@ def main(argv: Optional[Sequence[str]] = None) -> TriAttentionStats:
     from .models import load_model
 
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, device=args.device, tokenizer=args.tokenizer)
+    try:
+        model, tok = load_model(args.model, device=args.device, tokenizer=args.tokenizer)
+    except (ValueError, OSError) as exc:  # a usage error (no such device, path or hub id): a message, no traceback
+        raise SystemExit(f"randattn.calibrate: {exc}") from exc
     progress = not args.quiet
     if args.text is None and args.traces is None:
         seqs = default_trace(model, tok, args.tokens, progress=progress)

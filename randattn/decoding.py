@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,23 +12,25 @@ from tqdm.auto import tqdm
 
 from ._memory import release_free_memory
 from .cache import EvictingCache
-from .models import cache_argument_name, install_guards
+from .models import cache_argument_name, install_guards, refuse_used_cache
 
 __all__ = ["generate", "decode_step", "replay", "replay_tokenwise", "Replay", "ReplayResult"]
 
 
-def _check_fresh(cache: EvictingCache) -> None:
+def _check_fresh(cache: EvictingCache, where: str) -> None:
     if not isinstance(cache, EvictingCache):
         raise TypeError(f"cache must be a randattn.EvictingCache, got {type(cache).__name__}")
-    if cache.get_seq_length() != 0:
-        raise ValueError("this EvictingCache has already been used; create a fresh one per sequence (or batch)")
+    refuse_used_cache(cache, where)
 
 
 def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_mask=None, **generate_kwargs) -> torch.Tensor:
     """``model.generate`` with ``cache``, checked first: equal-length (unpadded) prompts only,
     budget large enough for a protected prompt, the cache passed under the right keyword for this
-    transformers version. Returns the generated ids (prompt included), like ``model.generate``."""
-    _check_fresh(cache)
+    transformers version. Returns the generated ids (prompt included), like ``model.generate``.
+
+    ``cache`` must be fresh (a new EvictingCache, or one after ``cache.reset()``): one that already holds a
+    sequence is refused, as ``model.generate`` refuses it once :func:`randattn.install_guards` ran."""
+    _check_fresh(cache, "randattn.generate")
     install_guards(model)
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
@@ -60,6 +63,8 @@ def decode_step(model, input_ids: torch.Tensor, cache: EvictingCache, *, logits_
 
     ``logits_to_keep=n`` computes logits for the last ``n`` tokens only (0: all of them).
     """
+    if getattr(model, "_randattn_checks_handle", None) is None:
+        install_guards(model)  # once: a model loaded without randattn gets the same checks and warnings
     start = cache.get_seq_length()
     pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
     extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
@@ -113,18 +118,29 @@ class _Collector:
 
 
 def _prefill(model, input_ids, cache, prompt_len, score_from: int = 0):
-    _check_fresh(cache)
+    _check_fresh(cache, "randattn.replay")
     install_guards(model)
     t = input_ids.shape[1]
+    try:
+        if isinstance(prompt_len, bool):
+            raise TypeError
+        prompt_len = operator.index(prompt_len)
+    except TypeError:
+        raise ValueError(f"prompt_len must be an integer between 1 and the sequence length {t}, got {prompt_len!r}") from None
     if not 1 <= prompt_len <= t:
         raise ValueError(f"prompt_len must be between 1 and the sequence length {t}, got {prompt_len}")
     if cache.prompt_len is None:
+        cache._check_prompt_fits(int(prompt_len))  # before the cache is changed: a refusal leaves it fresh
         cache.prompt_len = int(prompt_len)
-        cache._check_prompt_fits(cache.prompt_len)
     elif cache.prompt_len != prompt_len:
         raise ValueError(f"cache was built with prompt_len={cache.prompt_len} but replay got prompt_len={prompt_len}")
     col = _Collector(input_ids)
-    _forward(model, input_ids, cache, col, 0, prompt_len, score_from)
+    try:
+        _forward(model, input_ids, cache, col, 0, prompt_len, score_from)
+    except BaseException:
+        if cache.get_seq_length() == 0:  # refused before anything was stored: leave the cache as it came
+            cache.prompt_len = cache._init_prompt_len
+        raise
     return col
 
 

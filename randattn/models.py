@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import json
 import os
 import shutil
+import struct
 import tempfile
+import types
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +24,7 @@ __all__ = [
     "embedded_gguf_path",
     "check_model",
     "install_guards",
+    "refuse_used_cache",
     "cache_argument_name",
     "UnsupportedModelError",
 ]
@@ -47,15 +52,35 @@ class UnsupportedModelError(ValueError):
 
 
 def resolve_device(device: "str | torch.device | None" = None) -> torch.device:
-    """``None``/``"auto"``: CUDA when present, else CPU."""
+    """``None``/``"auto"``: CUDA when present, else CPU. A device this machine does not have is refused
+    (``ValueError`` naming it and what to use instead: ``device="cpu"`` / ``"auto"``, ``--device cpu`` /
+    ``--device auto`` on a command line)."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"device {device!r} is not a torch device; use 'auto', 'cpu' or 'cuda[:N]'") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for CUDA but torch sees no GPU here; use device='cpu' or 'auto'")
+    fix = "use device='cpu' or device='auto' (on a command line: --device cpu or --device auto)"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device {device!r} asked for CUDA, but this machine has no usable GPU ({build}, "
+                             f"torch.cuda.is_available() is False); {fix}")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}; "
+                             f"use one of those, or device='auto'")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+            raise ValueError(f"device {device!r} asked for Apple's MPS, which this machine does not have; {fix}")
+    elif dev.type == "meta":
+        raise ValueError(f"device {device!r} holds no data (shapes only), so a model cannot run there; {fix}")
+    elif dev.type != "cpu":
+        backend = getattr(torch, dev.type, None)
+        available = getattr(backend, "is_available", None)
+        if callable(available) and not available():
+            raise ValueError(f"device {device!r}: torch sees no {dev.type} device here; {fix}")
     return dev
 
 
@@ -105,13 +130,98 @@ def embedded_gguf_path(name: str = DEFAULT_MODEL) -> Path:
     raise FileNotFoundError(f"{dist} is installed but {fname} is missing from it; reinstall with `{install}`")
 
 
+_MARKER = "SOURCE_SHA256"  # the pinned GGUF's sha256; written last, inside the temporary folder
+_MANIFEST = "MANIFEST.json"  # what the marker promises: every file of the conversion and its size
+# What a conversion made before the manifest existed always holds (checked for a cache without one).
+_LEGACY_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is no complete safetensors file (its header against its size; cheap), or ``None``."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or 8 + n > size:
+                return f"{path.name} is truncated (header of {n} bytes in a file of {size})"
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, ValueError) as exc:
+        return f"{path.name} is not a readable safetensors file ({type(exc).__name__}: {exc})"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    if not ends or 8 + n + max(ends) != size:
+        return f"{path.name} is truncated or padded ({size} bytes, its header promises {8 + n + max(ends or [0])})"
+    return None
+
+
+def _only_conversion_files(folder: Path) -> bool:
+    """Whether ``folder`` holds nothing but files a conversion writes (a conversion's leftovers, e.g. of an
+    interrupted replacement), so rebuilding it loses nothing of anyone else's."""
+    known = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+             "special_tokens_map.json", "vocab.json", "merges.txt", _MANIFEST}
+    return all(p.is_file() and (p.name in known or (p.name.startswith("model") and ".safetensors" in p.name))
+               for p in folder.iterdir())
+
+
+def _converted_problem(target: Path, sha: str) -> Optional[str]:
+    """Why the converted checkpoint in ``target`` cannot be trusted, or ``None``. Cheap: the marker's source hash,
+    every file the manifest lists at its recorded size, config.json parses, the weights' header matches their size."""
+    marker = target / _MARKER
+    recorded = marker.read_text().strip()
+    if recorded != sha:
+        return f"it was converted from a GGUF with sha256 {recorded[:16]}..., not the pinned {sha[:16]}..."
+    manifest = target / _MANIFEST
+    if manifest.exists():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+            expected = {str(k): int(v) for k, v in files.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"its {_MANIFEST} is unreadable ({type(exc).__name__}: {exc})"
+    else:  # converted by a randattn before the manifest: its files exist, sizes unknown
+        expected = {name: None for name in _LEGACY_FILES}
+    for name, size in expected.items():
+        path = target / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest recorded {size}"
+    try:
+        json.loads((target / "config.json").read_text())
+    except ValueError as exc:
+        return f"config.json is not valid JSON ({exc})"
+    for name in expected:
+        if name.endswith(".safetensors"):
+            problem = _safetensors_problem(target / name)
+            if problem:
+                return problem
+    return None
+
+
 def _converted_embedded(name: str) -> Path:
-    """Convert the GGUF once into a safetensors checkpoint under the randattn cache; later loads are fast."""
+    """Convert the GGUF once into a safetensors checkpoint under the randattn cache; later loads are fast.
+
+    The cached checkpoint is checked before it is used (see :func:`_converted_problem`) and rebuilt when the check
+    fails; a folder at that place without randattn's marker is refused untouched."""
     _, _, fname, sha = _EMBEDDED[name]
     target = _cache_root() / name
-    marker = target / "SOURCE_SHA256"
-    if marker.exists() and marker.read_text().strip() == sha:
-        return target
+    if target.exists():
+        if not (target / _MARKER).is_file() and not _only_conversion_files(target):
+            raise FileExistsError(
+                f"{target} exists but was not made by randattn (no {_MARKER} marker), so it is neither used nor "
+                f"replaced; move it away, or set RANDATTN_CACHE to another folder for the converted model")
+        problem = _converted_problem(target, sha) if (target / _MARKER).is_file() else f"{_MARKER} is missing"
+        if problem is None:
+            return target
+        warnings.warn(f"the converted {name} in {target} is damaged ({problem}); converting it again", stacklevel=3)
+    _build_embedded(name, target)
+    problem = _converted_problem(target, sha)
+    if problem is not None:  # pragma: no cover - the conversion itself wrote something wrong
+        raise RuntimeError(f"converting {name} into {target} gave a damaged checkpoint ({problem})")
+    return target
+
+
+def _build_embedded(name: str, target: Path) -> None:
+    """Dequantise the GGUF and write the checkpoint (with manifest and marker) into ``target`` in one move."""
+    _, _, fname, sha = _EMBEDDED[name]
     gguf = embedded_gguf_path(name)
     got = _sha256(gguf)
     if got != sha:
@@ -129,14 +239,15 @@ def _converted_embedded(name: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "SOURCE_SHA256").write_text(sha + "\n")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / _MANIFEST).write_text(json.dumps({"source_sha256": sha, "files": files}, indent=1) + "\n")
+        (tmp / _MARKER).write_text(sha + "\n")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def load_model(
@@ -159,7 +270,12 @@ def load_model(
     ``tokenizer``: a tokenizer object or a directory/hub id to load it from, when it does not live
     beside the model.
 
-    Returns ``(model, tokenizer)``, the model in eval mode with the randattn input guards installed.
+    Returns ``(model, tokenizer)``, the model in eval mode with the randattn input guards installed (see
+    :func:`install_guards`; a model loaded any other way needs ``randattn.install_guards(model)``).
+
+    Errors name what is wrong: a device this machine lacks (``ValueError``), a path that does not exist or a directory
+    without ``config.json`` (``FileNotFoundError``), a hub id that is neither cached nor reachable, offline or not
+    (``OSError``), a damaged converted cache of the embedded model (rebuilt, with a warning).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -167,28 +283,85 @@ def load_model(
     dt = _resolve_dtype(dtype, dev)
     name = name_or_path or DEFAULT_MODEL
     key = _EMBEDDED_ALIASES.get(str(name).lower(), str(name).lower())
+    local = key in _EMBEDDED or _local_model_dir(str(name))
     source = _converted_embedded(key) if key in _EMBEDDED else name
-    if key not in _EMBEDDED and _looks_like_path(str(name)) and not Path(name).expanduser().exists():
-        raise FileNotFoundError(
-            f"model directory {name!r} does not exist; give a directory with config.json and weights, a hub id, "
-            f"or omit it for the embedded default ({DEFAULT_MODEL!r})"
-        )
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        raise OSError(
-            f"could not load model {name!r}: {exc} -- give a local directory with config.json and weights, a hub id "
-            f"reachable from this machine, or omit it for the embedded default ({DEFAULT_MODEL!r})."
-        ) from exc
+    except (OSError, ValueError) as exc:
+        if not _load_error(exc, local):
+            raise
+        raise OSError(_load_failure("model", name, exc, local)) from exc
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer or source, trust_remote_code=trust_remote_code)
+        tok_source = tokenizer or source
+        tok_local = local if tokenizer is None else _local_model_dir(str(tokenizer), "tokenizer")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_source, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            if not _load_error(exc, tok_local):
+                raise
+            raise OSError(_load_failure("tokenizer", tokenizer or name, exc, tok_local)) from exc
     model.to(dev).eval()
     check_model(model)
     install_guards(model)
     return model, tokenizer
+
+
+def _hub_offline() -> bool:
+    """Whether hub downloads are switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    import huggingface_hub.constants as hub
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return bool(hub.HF_HUB_OFFLINE) or any(f.strip().lower() in ("1", "on", "yes", "true") for f in flags)
+
+
+def _load_error(exc: BaseException, local: bool) -> bool:
+    """Whether ``exc`` says the files could not be found or read (a local folder's, or a hub id's: not found,
+    offline, unreachable, malformed id), rather than something wrong inside a checkpoint that was found."""
+    from huggingface_hub.errors import HFValidationError
+
+    return isinstance(exc, OSError) or (not local and isinstance(exc, HFValidationError))
+
+
+def _local_model_dir(name: str, what: str = "model") -> bool:
+    """``True`` when ``name`` is an existing directory with a config (checked: a clear error when it is a file,
+    a folder without ``config.json``, or a path that does not exist); ``False`` for a hub id."""
+    path = Path(name).expanduser()
+    fix = (f"give a directory with config.json and the weights, a hub id (org/name), or omit it for the embedded "
+           f"default ({DEFAULT_MODEL!r})") if what == "model" else "give the directory the tokenizer was saved to"
+    if path.is_dir():
+        if what == "model" and not (path / "config.json").is_file():
+            held = sorted(p.name for p in path.iterdir())
+            shown = ", ".join(held[:8]) + (", ..." if len(held) > 8 else "") if held else "nothing"
+            raise FileNotFoundError(f"{what} directory {name!r} has no config.json (it holds {shown}), so it is no "
+                                    f"HF checkpoint; {fix}")
+        return True
+    if path.exists():
+        hint = " (GGUF files are read only for the embedded default)" if path.suffix == ".gguf" else ""
+        raise FileNotFoundError(f"{what} {name!r} is a file, not a directory{hint}; {fix}")
+    if _looks_like_path(name):
+        looked = "" if str(path.resolve()) == name else f" (looked at {path.resolve()})"
+        raise FileNotFoundError(f"{what} directory {name!r} does not exist; {fix}{looked}")
+    return False
+
+
+def _load_failure(what: str, name, exc: BaseException, local: bool) -> str:
+    fix = (f"give a local directory with config.json and weights, a hub id reachable from this machine, or omit it "
+           f"for the embedded default ({DEFAULT_MODEL!r})")
+    if local:
+        return f"could not load the {what} from directory {str(name)!r}: {exc} -- {fix}"
+    head, _, rest = str(name).partition("/")
+    here = f"none in {os.getcwd()}"
+    if rest and Path(head).expanduser().is_dir():
+        here += f"; a folder {head!r} is there, but holds no {rest!r}"
+    if _hub_offline():
+        return (f"{what} {str(name)!r} is no local directory ({here}), and as a hub id it is not in the "
+                f"local HF cache while hub downloads are off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set); download it "
+                f"on a machine with network access or unset the flag, or {fix}")
+    return (f"{what} {str(name)!r} is no local directory ({here}), and as a hub id it could not be "
+            f"fetched (no network, a misspelt id, or a gated or private repository: {type(exc).__name__}: {exc}); {fix}")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -263,14 +436,119 @@ def _guard_hook(module, args, kwargs):
     return None
 
 
+def used_cache_problem(cache) -> Optional[str]:
+    """What a sequence left in ``cache`` (an EvictingCache), or ``None`` when it is as new: it holds tokens, or a
+    forward went through it and fixed its prompt length (e.g. one that then failed)."""
+    n = cache.get_seq_length()
+    if n:
+        return f"already holds a sequence of {n} tokens"
+    if cache.prompt_len != getattr(cache, "_init_prompt_len", cache.prompt_len):
+        return f"was already used by a forward (it fixed prompt_len={cache.prompt_len}), which then stopped"
+    return None
+
+
+def refuse_used_cache(cache, where: str) -> None:
+    """Raise a ``ValueError`` when ``cache`` is not fresh: a reused cache would continue the old sequence (a
+    different prompt) or fail deep inside the model (the same prompt)."""
+    problem = used_cache_problem(cache)
+    if problem:
+        raise ValueError(
+            f"{where}: this EvictingCache {problem}; a cache serves one sequence (or one batch) from its first token, "
+            f"so reusing it would continue the old sequence or fail inside the model. Create a fresh EvictingCache "
+            f"per call, or call cache.reset() first (it forgets everything, keep-mask pins included)."
+        )
+
+
+def _guarded_generate(self, *args, **kwargs):
+    """The model's own ``generate``, after refusing an :class:`~randattn.EvictingCache` that already holds a
+    sequence (passed as ``past_key_values=`` or ``cache=``); installed by :func:`install_guards`."""
+    from .cache import EvictingCache
+
+    for key in ("past_key_values", "cache"):
+        cache = kwargs.get(key)
+        if isinstance(cache, EvictingCache):
+            refuse_used_cache(cache, f"model.generate({key}=...)")
+    inner = self.__dict__.get("_randattn_inner_generate")
+    if inner is not None:
+        return inner(*args, **kwargs)
+    return type(self).generate(self, *args, **kwargs)
+
+
+def _install_generate_guard(model) -> None:
+    """Wrap the instance's ``generate`` once (idempotent). Bound to the instance with ``types.MethodType``, so a
+    ``copy.deepcopy`` of the model gets a guard bound to the copy."""
+    if not callable(getattr(type(model), "generate", None)):
+        return
+    current = model.__dict__.get("generate")
+    if getattr(current, "__func__", None) is _guarded_generate:
+        return
+    if current is not None:  # someone else's instance-level wrapper: keep calling it
+        model._randattn_inner_generate = current
+    model.generate = types.MethodType(_guarded_generate, model)
+
+
+def _model_shape(config) -> "tuple[Optional[int], Optional[int]]":
+    """``(layers, KV heads)`` of a decoder config, each ``None`` when the config does not say it as one int."""
+    text = config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    as_int = lambda v: int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
+    return as_int(layers), as_int(heads)
+
+
+def _checks_hook(module, args, kwargs):
+    """Before every forward with an EvictingCache: tell the cache the model's shape (so keep-mask pins naming a layer
+    or head the model lacks are refused before anything is stored), and warn once per model when the sequence
+    passes ``max_position_embeddings``."""
+    from .cache import EvictingCache
+
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if not isinstance(cache, EvictingCache):
+        return None
+    if cache._model_shape is None:
+        cache._bind_model_shape(*_model_shape(module.config))
+    limit = getattr(module, "_randattn_max_positions", None)
+    if limit is not None and not getattr(module, "_randattn_warned_max_positions", False):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        q = ids.shape[1] if torch.is_tensor(ids) else embeds.shape[1] if torch.is_tensor(embeds) else 0
+        total = cache.get_seq_length() + q
+        if total > limit:
+            module._randattn_warned_max_positions = True
+            warnings.warn(
+                f"the sequence reaches {total} tokens, past this model's max_position_embeddings={limit}: positions "
+                f"beyond {limit} were never trained, so outputs past them may degrade without any error (the "
+                f"evicting cache keeps true positions, it does not wrap them). Keep prompt + new tokens <= {limit}, or "
+                f"use a model with a longer context. (Warned once per model.)",
+                UserWarning,
+                stacklevel=2,
+            )
+    return None
+
+
 def install_guards(model) -> None:
-    """Make ``model`` refuse inputs an EvictingCache cannot serve correctly (padded batches, sliding
-    windows exceeded) with a clear error, and capture queries for attention-based policies.
-    Idempotent; :func:`load_model`, :func:`randattn.generate` and :func:`randattn.replay` call it."""
+    """Make ``model`` refuse inputs an EvictingCache cannot serve correctly with a clear error, and capture queries
+    for attention-based policies:
+
+    - ``model.generate`` refuses an EvictingCache that already holds a sequence (under ``past_key_values=`` or
+      ``cache=``): create a fresh cache per call, or call ``cache.reset()``;
+    - padded batches, and sliding windows exceeded, are refused at every forward;
+    - keep-mask pins naming a layer or KV head the model lacks are refused before the first forward stores anything;
+    - a sequence longer than ``config.max_position_embeddings`` warns once.
+
+    Idempotent; :func:`load_model`, :func:`randattn.generate` and :func:`randattn.replay` call it. A model **not**
+    loaded through randattn (``AutoModelForCausalLM.from_pretrained(...)`` directly) has none of these guards until
+    ``randattn.install_guards(model)`` is called on it: its plain ``generate`` would then quietly continue an old
+    sequence from a reused cache."""
     from .capture import install_query_capture
 
     model._randattn_sliding_window = _sliding_window(model.config)
     if getattr(model, "_randattn_guard_handle", None) is None:
         model._randattn_guard_handle = model.register_forward_pre_hook(_guard_hook, with_kwargs=True)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    model._randattn_max_positions = int(limit) if isinstance(limit, int) and limit > 0 else None
+    if getattr(model, "_randattn_checks_handle", None) is None:
+        model._randattn_checks_handle = model.register_forward_pre_hook(_checks_hook, with_kwargs=True)
+    _install_generate_guard(model)
     # Query capture for attention-based policies: a no-op check per layer when the policy needs none.
     install_query_capture(model)

@@ -195,37 +195,103 @@ def score_function(*, needs: "tuple[str, ...]" = (), window: int = 0):
     return deco
 
 
+#: Modules loaded from ``path/file.py`` specs, by resolved path: each file runs once per process.
+_LOADED_FILES: dict[Path, object] = {}
+
+
+def _import_error(spec: str, where: str, exc: BaseException) -> ValueError:
+    what = "called sys.exit()" if isinstance(exc, SystemExit) else f"raised {type(exc).__name__}: {exc}"
+    return ValueError(f"policy {spec!r}: importing {where!r} {what}; fix the module (it runs when the spec is "
+                      "loaded), or give another, e.g. my_selector:score or path/to/my_selector.py:score")
+
+
+def _load_file(spec: str, where: str):
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise ValueError(f"policy {spec!r}: no file {where}" + (" (it is a directory)" if path.is_dir() else "")
+                         + "; give the path of a .py file, e.g. path/to/my_selector.py:score")
+    path = path.resolve()
+    if path in _LOADED_FILES:
+        return _LOADED_FILES[path]
+    for module in list(sys.modules.values()):  # already imported under its own name: the same module, not a rerun
+        file = getattr(module, "__file__", None)
+        if file and file.endswith(".py") and Path(file).resolve() == path:
+            _LOADED_FILES[path] = module
+            return module
+    module_spec = importlib.util.spec_from_file_location(f"_randattn_selector_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        raise _import_error(spec, where, exc) from exc
+    _LOADED_FILES[path] = module
+    return module
+
+
+def _load_module(spec: str, where: str):
+    top = where.split(".")[0]
+    if top not in sys.modules:
+        # A module next to the working directory, as `python -m` would find it, without adding it to sys.path.
+        cwd = Path.cwd()
+        package, single = cwd / top / "__init__.py", cwd / f"{top}.py"
+        found = package if package.is_file() else single if single.is_file() else None
+        if found is not None:
+            locations = [str(found.parent)] if found is package else None
+            module_spec = importlib.util.spec_from_file_location(top, found, submodule_search_locations=locations)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[top] = module  # as an import would; a package's submodules and relative imports need it
+            try:
+                module_spec.loader.exec_module(module)
+            except (Exception, SystemExit) as exc:
+                sys.modules.pop(top, None)
+                raise _import_error(spec, where, exc) from exc
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and where.startswith(exc.name) and where[len(exc.name):len(exc.name) + 1] in ("", "."):
+            raise ValueError(f"policy {spec!r}: cannot import {where!r} (no module {exc.name!r} on sys.path or in the "
+                             f"working directory {Path.cwd()}); put the module on PYTHONPATH or give a file path, "
+                             "e.g. path/to/my_selector.py:score") from exc
+        raise _import_error(spec, where, exc) from exc
+    except (Exception, SystemExit) as exc:
+        raise _import_error(spec, where, exc) from exc
+
+
 def load_policy(spec: str, **kwargs) -> Policy:
     """A policy defined outside the package: ``"module:attr"`` or ``"path/to/file.py:attr"``, where ``attr`` is a
     score function, a :class:`Policy` subclass (built with ``kwargs``) or a Policy instance. The policy is named
-    ``spec``, so results say where it came from."""
+    ``spec``, so results say where it came from.
+
+    **A spec runs code**: loading it executes the module or file, as ``import`` does (it is code execution, so
+    only load selectors you trust). Each file (by resolved path) and each module is executed once per process
+    and then reused, so module-level state persists across the caches made from one spec and side effects happen
+    once; editing the file afterwards needs a new process. A Policy subclass is instantiated anew for every cache;
+    a Policy instance named by the spec is shared by all of them.
+
+    ``module`` is looked up in the working directory first (``<cwd>/module.py`` or ``<cwd>/module/__init__.py``,
+    as ``python -m`` would find it; ``sys.path`` is not changed), then by a normal import. A module that fails to
+    import, calls ``sys.exit()``, or a class whose constructor fails gives a ``ValueError`` naming the spec."""
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise ValueError(f"policy {spec!r}: expected a known name ({', '.join(known_policies())}) or MODULE:CALLABLE, "
                          "e.g. my_selector:score or path/to/my_selector.py:score")
-    try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.exists():
-                raise ValueError(f"policy {spec!r}: no file {where}")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path and "." not in sys.path:
-                sys.path.insert(0, "")  # a module next to the user's working directory, as `python -m` would find it
-            module = importlib.import_module(where)
-    except ValueError:
-        raise
-    except Exception as exc:
-        raise ValueError(f"policy {spec!r}: cannot import {where!r} ({type(exc).__name__}: {exc}); put the module on "
-                         "PYTHONPATH or give a file path, e.g. path/to/my_selector.py:score") from exc
+    module = _load_file(spec, where) if where.endswith(".py") else _load_module(spec, where)
     if not hasattr(module, attr):
         found = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise ValueError(f"policy {spec!r}: {where} has no {attr!r}; callables there: {', '.join(found) or 'none'}")
     target = getattr(module, attr)
     if isinstance(target, type) and issubclass(target, Policy):
-        policy = target(**kwargs)
+        try:
+            policy = target(**kwargs)
+        except (Exception, SystemExit) as exc:
+            what = "called sys.exit()" if isinstance(exc, SystemExit) else f"raised {type(exc).__name__}: {exc}"
+            try:
+                accepted = [p for p in inspect.signature(target.__init__).parameters if p != "self"]
+            except (TypeError, ValueError):
+                accepted = []
+            raise ValueError(f"policy {spec!r}: {attr}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) {what}; "
+                             f"its constructor takes {accepted or 'no options'}: pass options it accepts, or fix "
+                             f"the class") from exc
     elif isinstance(target, Policy) or callable(target):
         if kwargs:
             raise ValueError(f"policy {spec!r}: options {sorted(kwargs)} need a Policy subclass; a score function or "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["round_seed"]
 
 _MASK64 = (1 << 64) - 1
@@ -14,8 +16,25 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _check_seed(seed, name: str = "seed") -> int:
+    """``seed`` as an int, refusing what would be truncated (``1.7``), a bool, or one outside the 64 bits that are
+    mixed (``-1`` would draw exactly what ``2**64 - 1`` draws)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r} ({type(seed).__name__}); "
+                         f"pass a whole number, e.g. {name}=0 (a float is not rounded or truncated)")
+    if not 0 <= int(seed) <= _MASK64:
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {seed!r}: seeds are mixed as 64 bits, so it "
+                         f"would draw what {int(seed) & _MASK64} draws; pass a seed in range")
+    return int(seed)
+
+
 def round_seed(seed: int, layer_idx: int, round_idx: int) -> int:
-    """Seed of the generator for one (seed, layer, round): well mixed, so neighbours don't correlate."""
+    """Seed of the generator for one (seed, layer, round): well mixed, so neighbours don't correlate.
+    ``seed`` must be an integer in ``[0, 2**64)``, ``layer_idx`` and ``round_idx`` non-negative integers."""
+    seed = _check_seed(seed)
+    for name, val in (("layer_idx", layer_idx), ("round_idx", round_idx)):
+        if isinstance(val, (bool, np.bool_)) or not isinstance(val, (int, np.integer)) or not 0 <= val <= _MASK64:
+            raise ValueError(f"round_seed: {name} must be a non-negative integer, got {val!r}")
     x = _splitmix64(seed & _MASK64)
     x = _splitmix64(x ^ (layer_idx & _MASK64))
     x = _splitmix64(x ^ (round_idx & _MASK64))

@@ -97,8 +97,11 @@ def test_reusing_a_cache_is_refused(tiny):
     model = tiny("llama")
     cache = randattn.EvictingCache("random", budget=32, buffer=8)
     randattn.generate(model, random_ids(1, 8), cache, max_new_tokens=2)
-    with pytest.raises(ValueError, match="already been used"):
+    with pytest.raises(ValueError, match="randattn.replay: this EvictingCache already holds a sequence of 9 tokens"
+                                         ".*Create a fresh EvictingCache per call, or call cache.reset"):
         randattn.replay(model, random_ids(1, 8), cache, prompt_len=4)
+    with pytest.raises(ValueError, match="model.generate\\(past_key_values=...\\): this EvictingCache already holds"):
+        model.generate(random_ids(1, 8), past_key_values=cache, max_new_tokens=2)
 
 
 def test_sliding_window_model_is_refused_past_its_window():
