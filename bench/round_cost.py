@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 import randattn
-from randattn.cache import EvictingLayer
 
 from probes.common import positive_int
 
@@ -51,36 +50,29 @@ def _policy_options(name: str, shape) -> dict:
     return {"stats": stats}
 
 
-def _filled_layer(cache: randattn.EvictingCache, h_kv: int, h_q: int, d: int, prompt: int, seed: int) -> EvictingLayer:
+def _filled_state(cache: randattn.EvictingCache, h_kv: int, h_q: int, d: int, prompt: int, seed: int) -> dict:
+    """What a layer holds when a round fires after many rounds: the prompt and a random chronological subset of a
+    longer trace, T + r slots in all."""
     g = torch.Generator().manual_seed(seed)
     s = cache.budget + cache.buffer
-    layer = EvictingLayer(cache, 0)
-    # Slots hold the prompt and a random chronological subset of a longer trace, as after many rounds.
     later = torch.randperm(8 * s, generator=g)[: s - prompt].sort().values + prompt
     pos = torch.cat([torch.arange(prompt), later]).expand(1, h_kv, s).contiguous()
-    fields = dict(
-        keys=torch.randn(1, h_kv, s, d, generator=g),
-        values=torch.randn(1, h_kv, s, d, generator=g),
-        positions=pos,
-    )
+    state = dict(keys=torch.randn(1, h_kv, s, d, generator=g), values=torch.randn(1, h_kv, s, d, generator=g),
+                 positions=pos, seq_len=int(pos.max()) + 1)
     if cache.needs_attention:
-        fields["attention"] = torch.rand(1, h_q, s, generator=g) * 50
-    layer._store(**fields)
-    layer.seq_len = int(pos.max()) + 1
-    layer.is_initialized = True
+        state["attention"] = torch.rand(1, h_q, s, generator=g) * 50
     if cache.needs_queries:
         w = cache.query_window
-        layer.recent_queries = torch.randn(1, h_q, w, d, generator=g)
-        layer.recent_query_positions = torch.arange(layer.seq_len - w, layer.seq_len)
-        layer.scaling = d**-0.5
-    return layer
+        state.update(queries=torch.randn(1, h_q, w, d, generator=g),
+                     query_positions=torch.arange(state["seq_len"] - w, state["seq_len"]), scaling=d**-0.5)
+    return state
 
 
-def _time_round(cache, layer_fields, template: EvictingLayer) -> float:
-    template._store(**{k: v for k, v in layer_fields.items()})
-    template.events = 0
+def _time_round(cache: randattn.EvictingCache, state: dict) -> float:
+    """Seconds of one round on a fresh layer holding ``state`` (building the layer is not timed)."""
+    layer = cache.restore_layer(0, **state)
     t0 = time.perf_counter()
-    cache._round(template)
+    cache.run_round(layer)
     return time.perf_counter() - t0
 
 
@@ -113,15 +105,14 @@ def main(argv=None) -> int:
         for name in policies:
             cache = randattn.EvictingCache(name, budget=k, buffer=r, prompt_len=args.prompt, seed=args.seed,
                                            **_policy_options(name, shape))
-            layer = _filled_layer(cache, h_kv, h_q, d, args.prompt, args.seed)
-            setups[name] = (cache, layer, layer._slot_tensors())
-        floor_src = setups["random"][2]
+            setups[name] = (cache, _filled_state(cache, h_kv, h_q, d, args.prompt, args.seed))
+        floor_src = setups["random"][1]
         kept = torch.arange(k).expand(1, h_kv, k)
         times = {name: [] for name in policies}
         floor = []
         for rep in range(args.warmup + args.repeats):
-            for name, (cache, layer, fields) in setups.items():
-                elapsed = _time_round(cache, fields, layer)
+            for name, (cache, state) in setups.items():
+                elapsed = _time_round(cache, state)
                 if rep >= args.warmup:
                     times[name].append(elapsed)
             t0 = time.perf_counter()

@@ -30,13 +30,43 @@ from ._memory import release_free_memory
 from .keeplog import KeepLog
 from .policies import CacheView, Policy, make_policy_and_mode, paper_mode_twin
 
-__all__ = ["EvictingCache", "EvictingLayer", "round_seed", "ENGINE"]
+__all__ = ["EvictingCache", "EvictingLayer", "round_seed", "select_keep", "ENGINE"]
 
 #: What every result row records as its engine: the paper's (the newest ``recent`` = r pairs never compete,
 #: every selector as the paper ran it). Rows written before it lack the key, so they are never resumed into.
 ENGINE = "paper"
 
 from .seeding import _check_seed, round_seed  # noqa: E402  (round_seed re-exported: randattn.round_seed)
+
+
+def select_keep(scores: torch.Tensor, *, keep: int, recent: int, pinned: Optional[torch.Tensor] = None,
+                evicted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The selection of a round, as a pure function: from the candidates' ``scores[B, H_kv, S]`` (higher = keep),
+    the ``keep`` best per head, ``pinned`` ones always and ``evicted`` ones never, sorted (chronological
+    compaction), then the ``recent`` newest slots ``S .. S + recent - 1``. Returns slot indices ``[B, H_kv, keep +
+    recent]``. Raises ``ValueError`` when more is pinned than ``keep`` or more force-evicted than a round drops."""
+    inf = torch.tensor(float("inf"), device=scores.device)
+    if pinned is not None:
+        scores = torch.where(pinned, inf, scores)
+    if evicted is not None:
+        scores = torch.where(evicted, -inf, scores)
+    n_pinned = int(torch.isposinf(scores).sum(-1).max())
+    if n_pinned > keep:
+        raise ValueError(f"{n_pinned} pairs are pinned (protected prompt + keep-mask pins + the policy's own pins) in "
+                         f"one head but a round keeps only T - recent = {keep} of the older pairs; raise budget or pin "
+                         "fewer")
+    kept = torch.topk(scores, keep, dim=-1, sorted=False).indices
+    if evicted is not None and bool(torch.isneginf(torch.gather(scores, -1, kept)).any()):
+        raise ValueError(f"force-evicted positions exceed what one round can drop ({scores.shape[-1] - keep} of "
+                         f"{scores.shape[-1]} candidates); force-evict fewer positions per round or use a larger buffer")
+    # topk returns score order; sorting the slot indices keeps every head chronological, and the recent window (the
+    # newest slots) goes after every candidate.
+    kept = kept.sort(dim=-1).values
+    if recent:
+        n = scores.shape[-1]
+        tail = torch.arange(n, n + recent, device=kept.device).expand(*kept.shape[:2], recent)
+        kept = torch.cat([kept, tail], dim=-1)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -62,7 +92,7 @@ class EvictingLayer(CacheLayerMixin):
         self.attention: Optional[torch.Tensor] = None  # accumulated attention received, [B, H_q, P]
         self._buf: dict[str, torch.Tensor] = {}  # buffers behind the keys/values/positions/attention views
         self.seq_len = 0  # absolute length L seen by this layer
-        self.events = 0  # applied eviction rounds
+        self.rounds = 0  # eviction rounds applied to this layer (the cache's ``events`` lists them per layer)
         self.round_lengths: list[int] = []  # seq_len at each applied round (per-row accounting in batched runs)
         # Recent post-RoPE queries for attention-based policies (filled by randattn.capture).
         self.recent_queries: Optional[torch.Tensor] = None  # [B, H_q, <=w, D]
@@ -121,8 +151,8 @@ class EvictingLayer(CacheLayerMixin):
         old = self._slot_tensors()
         self._store(**{k: torch.cat([old[k], t], dim=2) for k, t in new.items()})
 
-    def _keep(self, kept: torch.Tensor) -> None:
-        """Keep slots ``kept[B, H_kv, K]`` (sorted) of every per-slot tensor."""
+    def keep_slots(self, kept: torch.Tensor) -> None:
+        """Keep slots ``kept[B, H_kv, T]`` (sorted) of every per-slot tensor; the rest are freed."""
         fields = {}
         for name, t in self._slot_tensors().items():
             idx = kept if t.shape[1] == kept.shape[1] else kept.repeat_interleave(t.shape[1] // kept.shape[1], dim=1)
@@ -171,7 +201,7 @@ class EvictingLayer(CacheLayerMixin):
         keys, values = self.keys, self.values
         p = self.parent
         if keys.shape[-2] >= p.budget + p.buffer:
-            p._round(self)
+            p.run_round(self)
         # This step attends to everything, as get_mask_sizes promised; the round only shrinks what is stored.
         return keys, values
 
@@ -219,7 +249,12 @@ class EvictingLayer(CacheLayerMixin):
 
     @property
     def physical_length(self) -> int:
+        """Pairs per head stored now."""
         return self.keys.shape[-2] if self.is_initialized else 0
+
+    def allocated_bytes(self) -> int:
+        """Bytes allocated for keys and values (room for T + r pairs per head; positions excluded)."""
+        return self._buf["keys"].nbytes + self._buf["values"].nbytes if self.is_initialized else 0
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.attention = None
@@ -227,7 +262,7 @@ class EvictingLayer(CacheLayerMixin):
         self.recent_queries = self.recent_query_positions = self._step_queries = None
         self.is_initialized = False
         self.seq_len = 0
-        self.events = 0
+        self.rounds = 0
         self.round_lengths = []
 
     # Beam search and num_return_sequences move whole batch rows; positions and queries move with them.
@@ -404,10 +439,27 @@ class EvictingCache(Cache):
         return layer.update(key_states, value_states)
 
     # -- what happened -------------------------------------------------------------------------
+    def restore_layer(self, layer_idx: int, *, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                      seq_len: int, attention: Optional[torch.Tensor] = None, queries: Optional[torch.Tensor] = None,
+                      query_positions: Optional[torch.Tensor] = None, scaling: Optional[float] = None) -> EvictingLayer:
+        """Replace layer ``layer_idx`` by a fresh one holding this state (slots ``[B, H_kv, S]``, ``seq_len`` tokens
+        seen, optionally accumulated attention and recent queries), as a round would find it after many rounds;
+        e.g. to time one round (``bench.round_cost``). Lower layers that do not exist yet are created empty."""
+        self._layer(layer_idx)
+        layer = EvictingLayer(self, layer_idx)
+        layer.dtype, layer.device = keys.dtype, keys.device
+        layer._store(keys=keys, values=values, positions=positions, attention=attention)
+        layer.seq_len = int(seq_len)
+        layer.is_initialized = True
+        layer.recent_queries, layer.recent_query_positions, layer.scaling = queries, query_positions, scaling
+        self.layers[layer_idx] = layer
+        self._shared = None  # a model-scope policy's memoised scores belong to the replaced state
+        return layer
+
     @property
     def events(self) -> list[int]:
         """Applied eviction rounds per layer (proof that compression really ran)."""
-        return [layer.events for layer in self.layers]
+        return [layer.rounds for layer in self.layers]
 
     @property
     def total_events(self) -> int:
@@ -423,7 +475,7 @@ class EvictingCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values of all layers (room for K + r pairs per head; positions excluded)."""
-        return sum(l._buf["keys"].nbytes + l._buf["values"].nbytes for l in self.layers if l.is_initialized)
+        return sum(layer.allocated_bytes() for layer in self.layers)
 
     def stats(self) -> dict:
         return {
@@ -545,19 +597,19 @@ class EvictingCache(Cache):
                 evicted = hit if evicted is None else evicted | hit
         return pinned, evicted
 
-    def _round(self, layer: EvictingLayer) -> None:
+    def run_round(self, layer: EvictingLayer) -> None:
         """One eviction round of one layer: score the candidates, per-head top-(T - recent), keep the recent
-        window, compaction, bookkeeping."""
+        window, compaction, bookkeeping. The layer calls it when it holds T + r pairs."""
         timed_cuda = self.sync_timing and layer.keys.is_cuda
         if timed_cuda:
             torch.cuda.synchronize(layer.keys.device)
         t0 = time.perf_counter()
-        layer._keep(self._select(layer))
+        layer.keep_slots(self.select(layer))
         if self.keep_log is not None:
-            self.keep_log.record(layer.layer_idx, layer.events, layer.seq_len, layer.positions)
-        layer.events += 1
+            self.keep_log.record(layer.layer_idx, layer.rounds, layer.seq_len, layer.positions)
+        layer.rounds += 1
         layer.round_lengths.append(layer.seq_len)
-        if layer.layer_idx == 0 and layer.events % 16 == 0:
+        if layer.layer_idx == 0 and layer.rounds % 16 == 0:
             release_free_memory()  # rounds churn same-sized buffers; keep the heap from fragmenting (see _memory)
         if timed_cuda:
             torch.cuda.synchronize(layer.keys.device)
@@ -572,14 +624,14 @@ class EvictingCache(Cache):
         and ``seq_len`` describe a round that another layer of the same forward has reached first."""
         n = self.candidates(layer) if n_candidates is None else n_candidates
         gen = torch.Generator(device=layer.keys.device)
-        gen.manual_seed(round_seed(self.seed, layer.layer_idx, layer.events))
+        gen.manual_seed(round_seed(self.seed, layer.layer_idx, layer.rounds))
         positions = layer.positions[:, :, :n]
         return CacheView(
             keys=layer.keys[:, :, :n],
             values=layer.values[:, :, :n],
             positions=positions,
             layer_idx=layer.layer_idx,
-            round_idx=layer.events,
+            round_idx=layer.rounds,
             prompt_len=self.prompt_len or 0,
             seq_len=layer.seq_len if seq_len is None else seq_len,
             budget=self.budget,
@@ -608,7 +660,7 @@ class EvictingCache(Cache):
         # A policy scored across layers (TriAttention's per-head keep-set shared by all layers) is scored once
         # per round, when the first layer reaches it: every layer's candidates are already stored then, since
         # they exclude the newest `recent` pairs, which this forward is still writing into the later layers.
-        key = (layer.events, layer.seq_len, view.shape[-1])
+        key = (layer.rounds, layer.seq_len, view.shape[-1])
         if self._shared is None or self._shared[0] != key:
             n = view.shape[-1]
             short = [l.layer_idx for l in self.layers if l.physical_length < n]
@@ -625,41 +677,15 @@ class EvictingCache(Cache):
             self._shared = (key, [self._check_shape(v, s) for v, s in zip(views, scores)])
         return self._shared[1][layer.layer_idx]
 
-    def _select(self, layer: EvictingLayer) -> torch.Tensor:
-        """Sorted slot indices ``[B, H_kv, T]`` each head keeps: the top ``T - recent`` candidates by score,
-        then the newest ``recent`` slots."""
+    def select(self, layer: EvictingLayer) -> torch.Tensor:
+        """Sorted slot indices ``[B, H_kv, T]`` each head keeps at this layer's round (see :func:`select_keep`)."""
         view = self.view(layer)
-        positions = view.positions
-        scores = self._scores(layer, view)
-        inf = torch.tensor(float("inf"), device=scores.device)
-        keep = view.keep
-        if view.pinned is not None:
-            scores = torch.where(view.pinned, inf, scores)
-        _, evicted = self._rule_masks(layer.layer_idx, positions)
-        if evicted is not None:
-            scores = torch.where(evicted, -inf, scores)
-        n_pinned = int(torch.isposinf(scores).sum(-1).max())
-        if n_pinned > keep:
-            raise ValueError(
-                f"layer {layer.layer_idx}: {n_pinned} pairs are pinned (protected prompt + keep-mask pins + the "
-                f"policy's own pins) in one head but a round keeps only T - recent = {keep} of the older pairs "
-                f"(T={self.budget}, recent={self.recent}); raise budget or pin fewer"
-            )
-        kept = torch.topk(scores, keep, dim=-1, sorted=False).indices
-        if evicted is not None and bool(torch.isneginf(torch.gather(scores, -1, kept)).any()):
-            raise ValueError(
-                f"layer {layer.layer_idx}: force-evicted positions exceed what one round can drop "
-                f"({positions.shape[-1] - keep} of {positions.shape[-1]} candidates); force-evict fewer positions "
-                f"per round or use a larger buffer"
-            )
-        # topk returns score order; sorting the slot indices keeps every head chronological, and the recent
-        # window (the newest slots) goes after every candidate.
-        kept = kept.sort(dim=-1).values
-        if self.recent:
-            n = positions.shape[-1]
-            tail = torch.arange(n, n + self.recent, device=kept.device).expand(*kept.shape[:2], self.recent)
-            kept = torch.cat([kept, tail], dim=-1)
-        return kept
+        _, evicted = self._rule_masks(layer.layer_idx, view.positions)
+        try:
+            return select_keep(self._scores(layer, view), keep=view.keep, recent=self.recent, pinned=view.pinned,
+                               evicted=evicted)
+        except ValueError as exc:
+            raise ValueError(f"layer {layer.layer_idx}: {exc} (T={self.budget}, recent={self.recent})") from None
 
     def _checked_scores(self, view: CacheView) -> torch.Tensor:
         try:

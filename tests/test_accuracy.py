@@ -9,7 +9,6 @@ import pytest
 
 from probes import tasks
 from probes.tasks import Problem
-from randattn.testing import tiny_model
 
 # -- math grader --------------------------------------------------------------------------------------
 

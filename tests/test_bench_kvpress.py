@@ -2,7 +2,6 @@
 request parsing, the reading of its output, and the key-matching order check. Timing is never asserted."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -2,7 +2,6 @@
 written outside the sandbox's folder."""
 
 import json
-import os
 
 import pytest
 

@@ -330,13 +330,13 @@ def test_random_block_pp_keeps_whole_slot_blocks():
         before.clear()
 
     cache = randattn.EvictingCache("random_block_pp", budget=budget, buffer=buffer, prompt_len=lp, seed=0, block=block)
-    real = cache._select
+    real = cache.select
 
     def spy(layer):
         before["pos"] = layer.positions[:, :, :layer.physical_length - cache.recent].clone()
         return real(layer)
 
-    cache._select = spy
+    cache.select = spy
     drive(cache, shape, rounds=6, on_round=check)
 
 

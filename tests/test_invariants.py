@@ -48,7 +48,7 @@ def test_invariants_hold_for_random_configurations(trial):
                 # the recent window: every head still holds the newest `recent` positions of the round
                 newest = torch.arange(layer.seq_len - recent, layer.seq_len)
                 assert bool((pos[..., budget - recent:] == newest).all())
-            assert len(layer.round_lengths) == layer.events
+            assert len(layer.round_lengths) == layer.rounds
             # chronological, no duplicates
             assert bool((pos[..., 1:] > pos[..., :-1]).all())
             # keys and values moved with their positions
@@ -181,3 +181,25 @@ def test_random_block_by_position_keeps_contiguous_suffixes_of_blocks(block):
     assert cache.events[0] > 20
     if block >= 8:  # a head holds about K / block blocks (plus at most a few partial ones)
         assert min(blocks_seen) <= budget // block + 2
+
+
+def test_select_keep_is_top_keep_per_head_pins_first_then_the_recent_window():
+    from randattn.cache import select_keep
+    scores = torch.tensor([[[5.0, 1.0, 4.0, 3.0, 2.0, 0.0]]])
+    pinned = torch.tensor([[[False, True, False, False, False, False]]])
+    evicted = torch.tensor([[[True, False, False, False, False, False]]])
+    kept = select_keep(scores, keep=3, recent=2, pinned=pinned, evicted=evicted)
+    assert kept.tolist() == [[[1, 2, 3, 6, 7]]]  # pinned 1, best unpinned 2 and 3 (0 force-evicted), slots 6-7
+    with pytest.raises(ValueError, match="2 pairs are pinned .* keeps only T - recent = 1"):
+        select_keep(scores, keep=1, recent=0, pinned=pinned | evicted)
+
+
+def test_restore_layer_then_run_round_keeps_budget_and_counts_the_round():
+    cache = randattn.EvictingCache("random", budget=8, buffer=4, seed=0)
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 12, 4, generator=g), torch.randn(1, 2, 12, 4, generator=g)
+    layer = cache.restore_layer(1, keys=keys, values=values, positions=torch.arange(12).expand(1, 2, 12), seq_len=12)
+    assert len(cache.layers) == 2 and cache.layers[1] is layer and not cache.layers[0].is_initialized
+    cache.run_round(layer)
+    assert layer.physical_length == 8 and layer.rounds == 1 and cache.events == [0, 1]
+    assert layer.positions[0, :, -cache.recent:].tolist() == [list(range(12 - cache.recent, 12))] * 2
