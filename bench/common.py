@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 import randattn
-from probes.common import base_parser, check_policies, positive_int  # noqa: F401  (re-exported for the scripts)
+from probes.common import base_parser, positive_int  # noqa: F401  (re-exported for the scripts)
+from probes.config import ConfigError
+from probes.policy_specs import bind_policies, calibration_options, check_policy
 
 # The checkout bench/ sits in (for `git rev-parse` and the default trace / result paths); with a
 # non-editable install it is site-packages, where there is no git and no data/ (see README).
@@ -36,15 +38,25 @@ def add_stats_flag(p: argparse.ArgumentParser) -> None:
                    help="TriAttention statistics file (default: the embedded model's, which ship with the package)")
 
 
-def policy_options(p: argparse.ArgumentParser, args, policies) -> dict:
-    """``{policy: options}``: TriAttention gets its calibration statistics, the others nothing."""
-    opts = {name: {} for name in policies}
-    if "triattention" in opts:
-        stats = getattr(args, "stats", None) or (randattn.DEFAULT_MODEL if args.model is None else None)
-        if stats is None:
-            p.error("--policies includes triattention, which needs statistics of --model: pass --stats FILE (make it "
-                    f"with `python -m randattn.calibrate --model {args.model} --out stats.pt`) or leave it out")
-        opts["triattention"] = {"stats": randattn.load_stats(stats)}  # loaded once, shared by every run
+def check_policies(p: argparse.ArgumentParser, flag: str, names) -> None:
+    """Every name is a policy, a paper mode or a loadable ``MODULE:CALLABLE`` selector; else a usage error."""
+    for name in names:
+        try:
+            check_policy(flag.lstrip("-"), name)
+        except ConfigError as exc:
+            p.error(f"{flag}: {exc.message}")
+
+
+def policy_options(p: argparse.ArgumentParser, args, policies, model=None) -> dict:
+    """``{policy: options}``: ``--stats`` for a policy that takes calibration data (TriAttention), else nothing; with
+    ``model``, every policy is bound to it first, so one that cannot serve it stops here with the fix."""
+    stats = getattr(args, "stats", None)
+    opts = {name: calibration_options(name, stats) for name in policies if name not in (None, "full", WINDOW)}
+    if model is not None:
+        try:
+            bind_policies("policies", list(opts), model, opts.get)
+        except ConfigError as exc:
+            p.error(f"--policies: {exc.message}")
     return opts
 
 
@@ -77,8 +89,8 @@ def prepare(p: argparse.ArgumentParser, argv):
     Returns ``(args, options, model, prompt)``."""
     args = p.parse_args(argv)
     check_policies(p, "--policies", args.policies)
-    options = policy_options(p, args, args.policies)
     model, _, prompt = setup(args)
+    options = policy_options(p, args, args.policies, model)
     check_rounds_run(p, args, prompt.shape[1])
     return args, options, model, prompt
 
@@ -146,7 +158,7 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
     elif policy == WINDOW:
         cache = sliding_window_cache(model, budget + buffer)
     else:
-        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, seed=seed, **(options or {}))
+        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, seed=seed, **(options or {})).bind(model)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     peak = _PeakKV(cache) if track_peak else None
     if peak is not None:

@@ -32,8 +32,8 @@ def peak_rss_bytes() -> int:
 def run_arm(p, args) -> int:
     """The child: one generation under ``args.arm``; prints its row after MARK."""
     policy = None if args.arm == "full" else args.arm
-    options = policy_options(p, args, [args.arm])
     model, _, prompt = setup(args)
+    options = policy_options(p, args, [args.arm], model)
     check_rounds_run(p, args, prompt.shape[1])
     before = peak_rss_bytes()
     [row] = run_arms(model, prompt.expand(args.batch, -1).contiguous(), [policy], args, options, track_peak=True)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     if args.arm is not None:
         return run_arm(p, args)
     check_policies(p, "--policies", args.policies)
-    policy_options(p, args, args.policies)  # fail here, not in a child, on missing TriAttention statistics
+    policy_options(p, args, args.policies)  # a bad --stats file stops here; each child binds to the model
 
     rows, info = [], None
     for arm in ["full", *args.policies]:

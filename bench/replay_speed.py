@@ -64,10 +64,10 @@ def main(argv=None) -> int:
     add_stats_flag(p)
     args = p.parse_args(argv)
     check_policies(p, "--policies", args.policies)
-    options = policy_options(p, args, args.policies)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = randattn.load_model(args.model, device=args.device)
+    options = policy_options(p, args, args.policies, model)
     try:
         ids, prompt_len = trace_batch(tok, args.traces, batch=args.batch, new_tokens=args.new_tokens,
                                       budget=args.budget, seed=args.seed)

@@ -34,7 +34,7 @@ SHAPES = [
 
 def _policy_options(name: str, shape) -> dict:
     """Options a policy needs to run on synthetic data (TriAttention: statistics of the right shape)."""
-    if name != "triattention":
+    if not randattn.make_policy(name).calibration:  # only TriAttention takes calibration data; synthesise its kind
         return {}
     from randattn.triattention import TriAttentionStats
 

@@ -60,14 +60,15 @@ def default_input(name: str) -> Path:
     return mine if mine.exists() else shipped_result(rel)
 
 
-def draw(name: str, results=None, out_dir=None, **options) -> list[Path]:
-    """Read ``results`` (default: :func:`default_input`) and plot it; ``options`` go to the plot (accuracy: which
-    ``problems`` and how many ``runs`` of the file to show)."""
+def draw(name: str, results=None, out_dir=None, *, stem: "str | None" = None, **options) -> list[Path]:
+    """Read ``results`` (default: :func:`default_input`) and plot it into ``out_dir/<stem>.png`` and ``.pdf`` (stem:
+    the figure's name unless given); ``options`` go to the plot (accuracy: which ``problems`` and how many ``runs`` of
+    the file to show)."""
     target, reader, _, command = FIGURES[name]
     module, func = target.split(":")
     plot = getattr(importlib.import_module(module), func)
     path = Path(results) if results else default_input(name)
-    return plot(reader(path, command), Path(out_dir) if out_dir else Path("figures"), name=name, **options)
+    return plot(reader(path, command), Path(out_dir) if out_dir else Path("figures"), name=stem or name, **options)
 
 
 def main(argv=None) -> int:
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=None, help="result file to draw (with one --probe); default: yours under "
                                                    "data/results/, else the shipped one")
     p.add_argument("--out", default=None, help="output folder (default: figures/ under the current folder)")
+    p.add_argument("--name", default=None, help="file name of the figure, without extension (default: the figure's "
+                                                "name, e.g. head_pooling)")
     p.add_argument("--problems", default=None, help="accuracy: comma-separated problem ids to show (default: all)")
     p.add_argument("--runs", type=int, default=None, help="accuracy: the first N runs of each problem (default: all)")
     args = p.parse_args(argv)
@@ -87,6 +90,8 @@ def main(argv=None) -> int:
     names = args.probe or [n for n in FIGURES if n not in ON_REQUEST]
     if args.results and len(names) != 1:
         p.error("--results needs exactly one --probe")
+    if args.name and len(names) != 1:
+        p.error("--name needs exactly one --probe")
     missing = failed = 0
     for name in names:
         command = FIGURES[name][3]
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
             missing += 1
             continue
         try:
-            files = draw(name, path, args.out, **options)
+            files = draw(name, path, args.out, stem=args.name, **options)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             print(f"{name}: cannot draw from {path}: it is not a result file of `{command}` "
                   f"({type(exc).__name__}: {exc})", file=sys.stderr)

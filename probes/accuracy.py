@@ -13,8 +13,8 @@ model stopped by itself (EOS), the eviction rounds applied while the row was sti
 (from the cache's event counter) and the grade. Interrupted runs resume where they stopped.
 
 Runs: greedy decoding (the default) makes runs differ only by the eviction seed (per seed, run and
-batch), so full attention and the policies that never draw on the seed (``SEED_FREE``: recency,
-streamingllm, h2o, snapkv, rkv, triattention) run once, and random, random-shared and vase (Gumbel
+batch), so full attention and the policies that never draw on the seed (``Policy.uses_seed`` False:
+recency, streamingllm, h2o, snapkv, rkv, triattention) run once, and random, random-shared and vase (Gumbel
 sampling) run ``--runs`` times; ``--temperature T`` samples (``--top-p``), and every policy then runs
 ``--runs`` times with a sampling seed per run. ``--compression c [c ...]`` sets ``K = mean full-attention
 generation length / c`` on the same problems (full attention is run first when missing).
@@ -50,15 +50,11 @@ from randattn.stats import comparison_table
 
 from . import cli
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
-from .passcode import POLICIES
-from .planted_run import _check_policy, load, write_csv
+from .planted_run import load, write_csv
+from .policy_specs import bind_policies, calibration_options, check_policy, native_protection, seed_free
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
-# Policies whose scores never draw on the eviction seed: under greedy decoding their runs are identical, so they run
-# once (like full attention). tests/test_accuracy.py checks that their keep-sets do not depend on the seed.
-SEED_FREE = frozenset({"recency", "streamingllm", "h2o", "snapkv", "snapkv-longbench", "rkv", "rkv-official",
-                       "triattention"})
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 
 #: The protocols, by name. ``protected`` / ``score-only``: every policy with the prompt pinned / competing.
@@ -80,7 +76,7 @@ class Config(RunConfig):
     """Accuracy under eviction: generate, grade, compare with Random (``python -m probes.accuracy``)."""
 
     task: str = option("copy", "the task", choices=tuple(TASKS))
-    policy: tuple[str, ...] = option((FULL, *POLICIES), f"policies to run; '{FULL}' is full attention (no eviction)")
+    policy: tuple[str, ...] = option((FULL, *randattn.COMPARED_POLICIES), f"policies to run; '{FULL}' is full attention (no eviction)")
     budget: Optional[tuple[int, ...]] = option(None, "T, one or several (a budget sweep); default: the task's, e.g. "
                                                      "math500 1024", check=POSITIVE)
     buffer: Optional[int] = option(None, "r (default: the task's; 64 for the paper's tasks)", check=POSITIVE)
@@ -110,7 +106,7 @@ class Config(RunConfig):
     def check(self) -> None:
         for spec in self.policy:
             if spec != FULL:
-                _check_policy("policy", spec)
+                check_policy("policy", spec)
         if self.compression is not None and self.budget is not None:
             raise ConfigError("compression", "--budget and --compression both set T; pass one of them")
         if not self.protect_prompt and self.protocol not in (None, "score-only"):
@@ -118,10 +114,6 @@ class Config(RunConfig):
                                           "them")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if "triattention" in self.policy and self.stats is None and self.model is not None:
-            raise ConfigError("stats", "--policy triattention needs --stats FILE for this model: run `python -m "
-                                       f"randattn.calibrate --model {self.model} --out stats.pt` and pass --stats "
-                                       "stats.pt")
 
     def resolved(self, model=None) -> "Config":
         """The task's and the protocol's defaults filled in (runs, r, length, sampling, protocol, policy options)."""
@@ -162,8 +154,6 @@ def policy_options(specs, task_defaults: dict) -> dict:
             pass  # a plain string such as aggregate=max
         options.setdefault(pol, {})[key] = value
     for pol, opts in options.items():
-        if pol == "triattention":
-            continue  # needs its statistics to be built; checked when its first cache is made
         try:
             randattn.make_policy(pol, **opts)
         except (ValueError, TypeError) as exc:
@@ -177,9 +167,7 @@ def make_cache(arm: Arm, *, prompt_len: int, max_new_tokens: int, buffer: int, s
     """The cache for one batch: full attention is a cache too big ever to evict."""
     if arm.policy == FULL:
         return randattn.EvictingCache("random", budget=prompt_len + max_new_tokens + 1, buffer=1, protect_prompt=False)
-    options = dict(options.get(arm.policy, {}))
-    if arm.policy == "triattention":
-        options.setdefault("stats", stats)
+    options = {**calibration_options(arm.policy, stats), **options.get(arm.policy, {})}
     return randattn.EvictingCache(arm.policy, budget=arm.budget, buffer=buffer, protect_prompt=arm.protect, seed=seed,
                                   **options)
 
@@ -246,7 +234,7 @@ def batch_seed(seed: int, run: int, first_problem: int) -> int:
 
 def runs_for(arm: Arm, runs: int, temperature: float) -> int:
     """Runs an arm gets: under greedy decoding full attention and the seed-free policies would repeat themselves."""
-    return 1 if temperature == 0 and (arm.policy == FULL or arm.policy in SEED_FREE) else runs
+    return 1 if temperature == 0 and (arm.policy == FULL or seed_free(arm.policy)) else runs
 
 
 def graded_row(task, prob, arm: Arm, run: int, seed: int, out: dict, protocol: Optional[str] = None) -> dict:
@@ -279,7 +267,7 @@ def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple
     return work
 
 
-def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, stats) -> None:
+def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args) -> None:
     """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
     work = pending_batches(arms, problems, prompts, lambda arm: runs_for(arm, args.runs, args.temperature), rf.done,
                            args.batch)
@@ -290,7 +278,7 @@ def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args, s
     for arm, run, idx in work:
         seed = batch_seed(args.seed, run, idx[0])
         try:
-            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=stats)
+            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=args.stats)
         except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
             bar.close()
             raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") from None
@@ -356,9 +344,7 @@ def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[di
 def protocol_arms(protocol: str, policies: list[str], budgets, compression: Optional[dict] = None) -> list[Arm]:
     """The arms a protocol runs at each budget (``compression``: ``{K: c}`` of a sweep)."""
     def modes(pol):
-        if pol in randattn.PAPER_MODES:  # a paper mode name carries its protection
-            return [randattn.PAPER_MODES[pol][2]]
-        native = None if pol == "triattention" or ":" in pol else randattn.make_policy(pol).native_protection
+        native = native_protection(pol)
         if native is not None:  # random-pcap, random-pmix, random-ppp are defined with one mode
             return [native]
         if protocol == "protected":
@@ -424,7 +410,10 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile
     if config.protocol == "grid" and raw.temperature is None:
         config = raw.resolved(model)  # the grid samples with the model card's settings
     model_name = config.model or randattn.DEFAULT_MODEL
-    stats = config.stats or (randattn.DEFAULT_MODEL if config.model is None else None)
+    bind_policies("policy", [p for p in config.policy if p != FULL], model,
+                  lambda pol: {**calibration_options(pol, config.stats), **config.options.get(pol, {})})
+    # The statistics a calibrated policy uses: --stats, else the shipped file of the embedded model (recorded).
+    stats = config.stats or getattr(model, "_randattn_embedded", None)
     prompts = [problem_ids(tok, prob) for prob in problems]
     longest = max(len(x) for x in prompts)
     record = results_config(model_name, task.name, config, thinking=has_thinking_mode(tok), stats=stats)
@@ -447,7 +436,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile
         arms = protocol_arms(config.protocol, policies, dict.fromkeys(budgets))
         check_prompt_fits(arms, longest, config.buffer)
     if config.compression is not None or FULL in config.policy:
-        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], config, stats)
+        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], config)
     if config.compression is not None:
         mean_len, sweep = sweep_budgets([r for r in rf.rows if r["problem"] in ids], list(config.compression))
         print(f"full attention: mean generation length {mean_len:.1f} tokens -> "
@@ -455,7 +444,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile
         firsts = {k: c for c, k in reversed(list(sweep.items()))}  # two factors rounding to one T run once
         arms = protocol_arms(config.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
         check_prompt_fits(arms, longest, config.buffer)
-    run_arms(rf, model, tok, task, problems, prompts, arms, config, stats)
+    run_arms(rf, model, tok, task, problems, prompts, arms, config)
     return config, rf, [r for r in rf.rows if r["problem"] in ids and r["run"] < config.runs]
 
 
@@ -475,7 +464,8 @@ def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
     print(f"\nrows: {rf.path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     if not config.no_figure:
         problems = ",".join(sorted({r["problem"] for r in rows}))
-        cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs))
+        cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs),
+                 "--name", rf.path.stem)
 
 
 def main(argv=None) -> int:

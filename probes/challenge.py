@@ -39,7 +39,8 @@ from . import cli
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
 from .common import policy_slug
 from .config import POSITIVE, ConfigError, RunConfig, option
-from .planted_run import _check_policy, load, write_csv
+from .planted_run import load, write_csv
+from .policy_specs import check_policy
 from .results import NotOurFile, OutputFolder, git_revision
 from .tasks import TASKS
 
@@ -98,9 +99,9 @@ class Config(RunConfig):
                                         "selector (MODULE:CALLABLE) or another registered name")
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
-        _check_policy("policy", self.policy)
+        check_policy("policy", self.policy)
         for spec in self.baselines:
-            _check_policy("baselines", spec)
+            check_policy("baselines", spec)
         if not self.parts:
             raise ConfigError("only", "--only/--skip leave no part to run")
 

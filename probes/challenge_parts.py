@@ -21,12 +21,14 @@ from tqdm.auto import tqdm
 
 import randattn
 from randattn import keepstats
+from randattn.analysis.accuracy import grades_by_arm
+from randattn.analysis.planted import lp_table, passcode_compare, summarize
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, survival
 from .common import policy_slug
+from .policy_specs import calibration_options
 from .planted import Condition
-from randattn.analysis.planted import lp_table, passcode_compare, summarize
 
 from .planted_run import PlantedConfig, run_conditions, setup, write_csv
 from .results import DEFAULT_TRACES
@@ -55,10 +57,9 @@ class Context:
         return self.model, self.tok
 
     def options(self, policy: str) -> dict:
-        """Constructor options a policy needs here (TriAttention's statistics)."""
-        if policy != "triattention":
-            return {}
-        return {"stats": self.args.stats or randattn.DEFAULT_MODEL} if (self.args.stats or not self.args.model) else {}
+        """Constructor options a policy needs here: ``--stats`` for a policy that takes calibration data (without it,
+        the policy binds to the embedded model's shipped statistics or refuses the model)."""
+        return calibration_options(policy, self.args.stats)
 
     def cache(self, policy: str, seed: int, **kw) -> randattn.EvictingCache:
         a = self.args
@@ -103,7 +104,7 @@ def accuracy_part(ctx: Context) -> list[dict]:
     rows = rf.rows
     problems = {p.id for p in accuracy.load_problems(accuracy.get_task(a.task), a.data, n["problems"])}
     rows = [r for r in rows if r["problem"] in problems and r["run"] < n["runs"]]
-    grades = accuracy.grades_by_arm(rows)
+    grades = grades_by_arm(rows)
     arm = lambda pol: accuracy.Arm(pol, a.budget, a.protect_prompt)  # noqa: E731
     full = grades.get(accuracy.Arm(accuracy.FULL, None, None), {})
     table = []
@@ -131,7 +132,7 @@ def question_part(ctx: Context) -> list[dict]:
             idx = idx_all[b:b + 8]
             rows += prompt_protection.run_batch(ctx.model, tasks, idx, pol, a.protect_prompt, budget=a.budget,
                                                 buffer=a.buffer, seed=a.seed * 1_000_003 + idx[0],
-                                                options=ctx.options(pol))
+                                                options={} if pol == "full" else ctx.options(pol))
     write_csv(ctx.out / "question_recall.csv", rows)
     by = {(r["policy"], r["instance"]): r for r in rows}
     table = []

@@ -18,13 +18,15 @@ __all__ = ["main", "draw"]
 
 def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Optional[dict] = None) -> int:
     """Parse ``argv`` into ``config_cls`` and call ``body(config)``; a :class:`ConfigError` raised by either becomes a
-    usage error that names the flag (exit status 2), before or after the model loads."""
+    usage error that names the flag (exit status 2), before or after the model loads. Returns the exit status: 0,
+    or the int ``body`` returned."""
     parser = parser_for(config_cls, (doc or config_cls.__doc__ or "").strip().splitlines()[0], defaults=defaults)
     config = build(config_cls, parser, vars(parser.parse_args(argv)))
     try:
-        return body(config) or 0
+        status = body(config)  # a probe's run may return what it wrote; only an int is an exit status
     except ConfigError as exc:
         parser.error(str(exc))
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 def draw(figure: str, results: "str | Path", figure_dir: "str | Path | None", *extra: str) -> list[str]:

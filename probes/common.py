@@ -6,8 +6,6 @@ import argparse
 import re
 from pathlib import Path
 
-import randattn
-
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the flags that mean the same in every probe."""
@@ -43,23 +41,6 @@ def ranges(sorted_positions) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev > start else f"{start}")
     return ", ".join(out)
-
-
-def check_policies(parser: argparse.ArgumentParser, flag: str, names, *, extra=()) -> None:
-    """Every name is a registered policy or a loadable ``MODULE:CALLABLE`` selector (see ``randattn.load_policy``);
-    otherwise stop with a usage error naming ``flag``. ``extra``: other accepted words, such as ``full``."""
-    known = [*randattn.known_policies(), *randattn.PAPER_MODES]
-    for name in names:
-        if name in extra or name in known:
-            continue
-        if ":" not in name:
-            words = ", ".join([*extra, *known])
-            parser.error(f"{flag} {name!r} is unknown; choose from {words}, or give your own selector as "
-                         "MODULE:CALLABLE (e.g. my_selector:score)")
-        try:
-            randattn.load_policy(name)
-        except (ValueError, TypeError) as exc:
-            parser.error(f"{flag}: {exc}")
 
 
 def policy_slug(name: str) -> str:

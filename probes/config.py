@@ -48,15 +48,19 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _kind(value) -> str:
+    return "integer" if isinstance(value, int) and not isinstance(value, bool) else "number"
+
+
 def POSITIVE(value) -> Optional[str]:
     if not _number(value) or not value > 0 or value == math.inf:
-        return f"must be a positive number, got {value!r}"
+        return f"must be a positive {_kind(value)}, got {value!r}"
     return None
 
 
 def NONNEGATIVE(value) -> Optional[str]:
     if not _number(value) or not value >= 0 or value == math.inf:
-        return f"must be a non-negative number, got {value!r}"
+        return f"must be a non-negative {_kind(value)}, got {value!r}"
     return None
 
 

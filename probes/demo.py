@@ -20,7 +20,8 @@ import randattn
 from . import cli
 from .common import ranges
 from .config import POSITIVE, ConfigError, RunConfig, option
-from .planted_run import _check_policy, load
+from .planted_run import load
+from .policy_specs import check_policy
 
 DEFAULT_PROMPT = (
     "A baker sells muffins for $3 and cookies for $2. On Monday she sells 14 muffins and twice as many "
@@ -48,7 +49,7 @@ class Config(RunConfig):
     def check(self) -> None:
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
-        _check_policy("policy", self.policy)
+        check_policy("policy", self.policy)
 
 
 def main(argv=None) -> int:
@@ -66,14 +67,11 @@ def run(config: Config, model=None, tokenizer=None) -> int:
     msgs = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ids = ids.to(model.device)
-    options = {}
-    if args.policy == "triattention" and args.model is None:
-        options["stats"] = randattn.DEFAULT_MODEL  # the embedded model's statistics ship with the package
     try:
         cache = randattn.EvictingCache(
             args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=args.protect_prompt,
-            seed=args.seed, keep_log=True, **options,
-        )
+            seed=args.seed, keep_log=True,
+        ).bind(model)
         if cache.protect_prompt:
             cache._check_prompt_fits(ids.shape[1])
     except ValueError as exc:

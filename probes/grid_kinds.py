@@ -29,11 +29,12 @@ from randattn.analysis.planted import passcode_compare
 
 from . import accuracy as acc
 from . import cli
-from .grid_spec import Spec, SpecError, Unit, embedded_name, stable_id
+from .grid_spec import Spec, SpecError, Unit, bind_check, embedded_name, stable_id
 from .passcode import FACT, INSTRUCTION, QUERY, passcode_distance
 from .planted import Condition, InstanceBuilder, fact_metrics, model_shape, run_batch
 from .planted_run import PlantedConfig, Session, write_csv
 from .planted_run import _slug as planted_slug
+from .policy_specs import calibration_options
 from .results import DEFAULT_TRACES, ResultsFile, check_ours, protection_tag, run_record, trace_label
 from .tasks import Problem, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
@@ -99,13 +100,12 @@ def plan_accuracy(spec: Spec, models: dict) -> Plan:
     plan = Plan([], [])
     policies = [p for p in spec.policies if p != acc.FULL]
     for model in spec.models:
-        tok, _ = models[model]
+        tok, _, stand_in = models[model]
         prompts = [problem_ids(tok, prob) for prob in problems]
         longest = max(map(len, prompts))
-        stats = spec.stats or (randattn.DEFAULT_MODEL if embedded_name(model) else None)
-        if "triattention" in policies and stats is None:
-            raise SpecError(f"stats: policy triattention needs statistics for {model}: run `python -m "
-                            f"randattn.calibrate --model {model} --out stats.pt` and set stats = \"stats.pt\"")
+        stats = spec.stats or embedded_name(model)  # recorded; a calibrated policy binds to the shipped file by name
+        bind_check(spec, model, stand_in,
+                   {pol: {**calibration_options(pol, stats), **options.get(pol, {})} for pol in policies})
         for buffer in spec.buffers or [task.buffer]:
             for k in spec.budgets or [task.budget]:
                 for protect in spec.protect_prompt:
@@ -118,10 +118,12 @@ def plan_accuracy(spec: Spec, models: dict) -> Plan:
                             stats=stats, options=options))
             for seed in spec.seeds:
                 # The same configuration a command line builds, so the grid's rows are the command line's rows.
+                protocol = {(True,): "protected", (False,): "score-only"}.get(tuple(set(spec.protect_prompt)), "matched")
                 args = acc.Config(model=model, task=task.name, buffer=buffer, max_new_tokens=spec.max_new_tokens,
                                   temperature=spec.temperature, top_p=spec.top_p, seed=seed, batch=spec.batch,
-                                  data=spec.data).resolved().replace(options=options)
-                config = acc.results_config(model, task.name, args, thinking=has_thinking_mode(tok), stats=stats)
+                                  data=spec.data, protocol=protocol).resolved().replace(options=options)
+                config = {**acc.results_config(model, task.name, args, thinking=has_thinking_mode(tok), stats=stats),
+                          **run_record()}
                 path = f"accuracy/{acc.default_name(model, task.name, args)}"
                 output = Output(path, "accuracy", config, acc.KEY, group=path, meta={
                     "task": task.name, "seed": seed, "runs": spec.runs, "problems": [p.id for p in problems]})
@@ -139,7 +141,7 @@ def plan_accuracy(spec: Spec, models: dict) -> Plan:
                               "protect_prompt": arm.protect, "buffer": buffer, "seed": seed}
                     work = {"task": task.name, "problems": [asdict(problems[i]) for i in idx],
                             "prompts": [prompts[i] for i in idx], "arm": [arm.policy, arm.budget, arm.protect],
-                            "run": run, "seed": seed_b, "gen": gen, "stats": stats}
+                            "run": run, "seed": seed_b, "gen": gen, "stats": stats, "protocol": protocol}
                     _unit(plan, output, model, keys, {**common, "batch_seed": seed_b}, work)
     return plan
 
@@ -150,7 +152,8 @@ def run_accuracy(model, tok, unit: Unit) -> tuple[list[list[dict]], int]:
     task, arm = get_task(w["task"]), acc.Arm(*w["arm"])
     outs = acc.generate_batch(model, tok, w["prompts"], arm, seed=w["seed"], args=acc.Generation(**w["gen"]),
                               stats=w["stats"])
-    rows = [acc.graded_row(task, Problem(**p), arm, w["run"], w["seed"], o) for p, o in zip(w["problems"], outs)]
+    rows = [acc.graded_row(task, Problem(**p), arm, w["run"], w["seed"], o, w.get("protocol"))
+            for p, o in zip(w["problems"], outs)]
     return [[r] for r in rows], sum(r["gen_len"] for r in rows)
 
 
@@ -168,8 +171,8 @@ def merge_accuracy(outputs: list[Output], rows: dict, out_dir: Path, figures: bo
     if warning:
         print(warning)
     if figures:
-        paths += cli.draw("accuracy", path, out_dir / "figures", "--problems", ",".join(o.meta["problems"]), "--runs",
-                          str(o.meta["runs"]))
+        paths += cli.draw("accuracy", path, out_dir / "figures", "--name", path.stem, "--problems",
+                          ",".join(o.meta["problems"]), "--runs", str(o.meta["runs"]))
     return paths
 
 
@@ -183,14 +186,11 @@ def plan_passcode(spec: Spec, models: dict) -> Plan:
     label = trace_label(traces)
     plan = Plan([], [])
     for model in spec.models:
-        tok, (n_heads, n_layers) = models[model]
-        options = {pol: dict(spec.policy_options.get(pol, {})) for pol in spec.policies}
-        if "triattention" in spec.policies:
-            stats = spec.stats or (randattn.DEFAULT_MODEL if embedded_name(model) else None)
-            if stats is None:
-                raise SpecError(f"stats: policy triattention needs statistics for {model}: run `python -m "
-                                f"randattn.calibrate --model {model} --out stats.pt` and set stats = \"stats.pt\"")
-            options["triattention"]["stats"] = stats
+        tok, (n_heads, n_layers), stand_in = models[model]
+        stats = spec.stats or embedded_name(model)
+        options = {pol: {**calibration_options(pol, stats), **spec.policy_options.get(pol, {})}
+                   for pol in spec.policies}
+        bind_check(spec, model, stand_in, options)
         for k in spec.budgets or [256]:
             for r in spec.buffers or [16]:
                 for rounds in spec.rounds:
@@ -224,7 +224,8 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
             config = {"probe": "passcode", "engine": randattn.ENGINE, "model": model, "traces": trace_label, "budget": k,
                       "buffer": r,
                       "distance": distance, "box_width": spec.box_width, "policy": policy,
-                      "policy_options": {o: v for o, v in options[policy].items() if o != "stats"},
+                      "policy_options": {o: v for o, v in options[policy].items()
+                                         if o != randattn.make_policy(policy).calibration},
                       "protect_prompt": protect, "seed": seed, "batch": spec.batch, "n_facts": 1, "kv_heads": n_heads,
                       "layers": n_layers, "rounds": rounds, **run_record()}
             output = Output(f"{group}/{planted_slug(config)}.jsonl", "passcode", config,
@@ -298,7 +299,7 @@ def merge_passcode(outputs: list[Output], rows: dict, out_dir: Path, figures: bo
               f"  {t['mean_lp']:8.2f}")
     paths = [out_dir / o.path for o in outputs] + [summary]
     if figures:
-        paths += cli.draw("passcode", summary, out_dir / "figures")
+        paths += cli.draw("passcode", summary, out_dir / "figures", "--name", Path(summary).stem)
     return paths
 
 

@@ -49,8 +49,8 @@ from typing import Any, Optional
 import randattn
 
 from .accuracy import FULL
-from .common import check_policies
-from .passcode import POLICIES
+from .config import ConfigError
+from .policy_specs import bind_policies, check_policy
 
 PROBES = ("accuracy", "passcode")
 COMMON = {"probe", "models", "policies", "budgets", "buffers", "protect_prompt", "seeds", "batch", "device", "stats",
@@ -174,7 +174,7 @@ def read_spec(path: "str | Path") -> Spec:
         path=path, probe=probe,
         models=_list(raw, "models", str, "a model (hub id, directory or 'smollm2-135m')", [randattn.DEFAULT_MODEL]),
         policies=_list(raw, "policies", str, "a policy name or MODULE:CALLABLE",
-                       [FULL, *POLICIES] if probe == "accuracy" else list(POLICIES)),
+                       [FULL, *randattn.COMPARED_POLICIES] if probe == "accuracy" else list(randattn.COMPARED_POLICIES)),
         budgets=_list(raw, "budgets", int, int_pos, None, _positive),
         buffers=_list(raw, "buffers", int, int_pos, None, _positive),
         protect_prompt=_list(raw, "protect_prompt", bool, "true or false", [True]),
@@ -202,16 +202,13 @@ def read_spec(path: "str | Path") -> Spec:
     return spec
 
 
-class _RaiseSpecError:
-    """Stands in for an argparse parser so probes.common.check_policies reports spec errors."""
-
-    def error(self, message: str):
-        raise SpecError(message)
-
-
 def _check_policies(spec: Spec) -> None:
     extra = (FULL,) if spec.probe == "accuracy" else ()
-    check_policies(_RaiseSpecError(), "policies", spec.policies, extra=extra)
+    try:
+        for pol in spec.policies:
+            check_policy("policies", pol, extra=extra)
+    except ConfigError as exc:
+        raise SpecError(f"policies: {exc.message}") from None
     if spec.probe == "passcode" and FULL in spec.policies:
         raise SpecError("policies: 'full' is not a passcode policy; full attention is one of the references "
                         "(references = true puts it in Random's file)")
@@ -219,11 +216,9 @@ def _check_policies(spec: Spec) -> None:
         if not isinstance(opts, dict):
             raise SpecError(f"policy_options.{pol}: expected a table of options, e.g. [policy_options.{pol}] then "
                             "key = value lines")
-        if pol == "triattention":
-            continue  # needs its statistics to be built; checked when the plan makes its caches
         try:
             randattn.make_policy(pol, **opts)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, FileNotFoundError) as exc:
             raise SpecError(f"policy_options.{pol}: {exc}") from None
 
 
@@ -237,8 +232,10 @@ def embedded_name(name: str) -> Optional[str]:
 
 
 def check_model(name: str, key: str = "models"):
-    """Tokenizer and ``(KV heads, layers)`` of a model, read on the driver without loading weights (it plans
-    batches by prompt length); anything unloadable is a :class:`SpecError` naming ``key``."""
+    """Tokenizer, ``(KV heads, layers)`` and a weightless stand-in (its config, which embedded model it is) that
+    policies can :meth:`~randattn.Policy.bind` to, read on the driver without loading weights (it plans batches by
+    prompt length and refuses policies that cannot serve the model); anything unloadable is a :class:`SpecError`
+    naming ``key``."""
     from transformers import AutoConfig, AutoTokenizer
 
     from randattn.models import _converted_embedded, _looks_like_path
@@ -263,4 +260,13 @@ def check_model(name: str, key: str = "models"):
     except Exception as exc:  # missing, gated, offline, not a causal LM: all mean "cannot plan with this model"
         first = (str(exc).splitlines() or [""])[0][:200]
         raise SpecError(f"{key}: cannot load {name!r} here ({type(exc).__name__}: {first}); {fix}") from None
-    return tok, model_shape(SimpleNamespace(config=config))
+    stand_in = SimpleNamespace(config=config, _randattn_embedded=embedded)
+    return tok, model_shape(stand_in), stand_in
+
+
+def bind_check(spec: "Spec", model: str, stand_in, options: dict) -> None:
+    """Every policy of the spec, with its options, binds to the model (e.g. TriAttention has statistics for it)."""
+    try:
+        bind_policies("policies", [p for p in spec.policies if p != FULL], stand_in, lambda pol: options.get(pol, {}))
+    except ConfigError as exc:
+        raise SpecError(f"policies (for {model}): {exc.message} (in a spec: stats = \"stats.pt\")") from None

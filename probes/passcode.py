@@ -21,19 +21,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import randattn
 from randattn.analysis.planted import passcode_compare
 
 from . import cli
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import PAPER, PlantedConfig, _check_policy, describe, run_conditions, setup, write_csv
+from .planted_run import PAPER, PlantedConfig, describe, run_conditions, setup, write_csv
+from .policy_specs import check_policy
 from .results import protection_tag
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
 INSTRUCTION = "Solve the problems below step by step."
-POLICIES = ["random", "random-shared", "recency", "streamingllm", "h2o", "snapkv", "rkv", "rkv-official", "vase",
-            "triattention"]
 
 
 def passcode_distance(rounds: int, buffer: int, box_width: int) -> int:
@@ -51,7 +51,7 @@ class Config(PlantedConfig):
     protect_prompt: bool = option(True, "protect the stub prompt (as the paper's methods); --no-protect-prompt lets "
                                         "it be evicted too")
     policy: str = option("random", "set per policy from --policies", cli=False)
-    policies: tuple[str, ...] = option(tuple(POLICIES), "policies compared (all evict the passcode too)")
+    policies: tuple[str, ...] = option(randattn.COMPARED_POLICIES, "policies compared (all evict the passcode too)")
     rounds: int = option(57, "eviction rounds between statement and answer", check=POSITIVE)
     references: bool = option(True, "also run full attention and the passcode pinned everywhere (with random)",
                               cli=False)
@@ -67,7 +67,7 @@ class Config(PlantedConfig):
     def check(self) -> None:
         super().check()
         for spec in self.policies:
-            _check_policy("policies", spec)
+            check_policy("policies", spec)
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:

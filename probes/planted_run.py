@@ -24,6 +24,7 @@ from randattn.traces import load_traces
 
 from .common import policy_slug
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
+from .policy_specs import calibration_options, check_policy
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 
@@ -47,6 +48,8 @@ class PlantedConfig(RunConfig):
     instances: int = option(48, "instances (paired across conditions)", check=POSITIVE)
     batch: int = option(8, "instances replayed together", check=POSITIVE)
     policy: str = option("random", "how the background (everything but the box) is evicted")
+    stats: Optional[str] = option(None, "calibration statistics for a policy that needs them (TriAttention: `python "
+                                        "-m randattn.calibrate`); the embedded model's ship with the package")
     protect_prompt: bool = option(False, "protect the stub prompt (the paper's probe leaves it unprotected)")
     parity: int = option(1, "instances checked against token-by-token decoding before the run (0: skip)",
                          check=NONNEGATIVE)
@@ -60,20 +63,7 @@ class PlantedConfig(RunConfig):
     def check(self) -> None:
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
-        _check_policy("policy", self.policy)
-
-
-def _check_policy(name: str, spec: str) -> None:
-    known = [*randattn.known_policies(), *randattn.PAPER_MODES]
-    if spec in known:
-        return
-    if ":" not in spec:
-        raise ConfigError(name, f"{spec!r} is unknown; choose from {', '.join(known)}, or give your own selector as "
-                                "MODULE:CALLABLE (e.g. my_selector:score)")
-    try:
-        randattn.load_policy(spec)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(name, str(exc)) from None
+        check_policy("policy", self.policy)
 
 
 @dataclass
@@ -121,9 +111,8 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
     """Check the configuration against the traces and the model (unless ``loaded=(model, tokenizer)``), open (or
     resume) the results file (``out``, else ``<--out or data/results/<probe>>/<config slug>.jsonl``). Problems are
     :class:`ConfigError` naming the field to change."""
-    policy_options = dict(policy_options or {})
-    if config.policy == "triattention" and config.model is None:
-        policy_options.setdefault("stats", randattn.DEFAULT_MODEL)
+    policy_options = {**calibration_options(config.policy, config.stats), **(policy_options or {})}
+    calibration = randattn.make_policy(config.policy).calibration  # a file path: not part of the configuration
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         texts = load_traces(traces)
@@ -134,7 +123,7 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
     try:
         builder = InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
                                   box_width=config.box_width, n_facts=n_facts, seed=config.seed, **(builder_texts or {}))
-        randattn.EvictingCache(config.policy, budget=config.budget, buffer=config.buffer, **policy_options)
+        randattn.EvictingCache(config.policy, budget=config.budget, buffer=config.buffer, **policy_options).bind(model)
     except ValueError as exc:
         raise ConfigError("budget" if "budget" in str(exc) else "box_width" if "box" in str(exc) else "policy",
                           str(exc)) from None
@@ -148,7 +137,7 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
     record = {
         "probe": probe, "model": config.model or randattn.DEFAULT_MODEL, "traces": trace_label(traces),
         "budget": config.budget, "buffer": config.buffer, "distance": config.distance, "box_width": config.box_width,
-        "policy": config.policy, "policy_options": {k: v for k, v in policy_options.items() if k != "stats"},
+        "policy": config.policy, "policy_options": {k: v for k, v in policy_options.items() if k != calibration},
         "protect_prompt": config.protect_prompt, "seed": config.seed, "batch": config.batch, "n_facts": n_facts,
         "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "engine": randattn.ENGINE,
         **run_record(model),

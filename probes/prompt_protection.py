@@ -33,8 +33,8 @@ from randattn.analysis.prompt_protection import summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, RunConfig, option
-from .passcode import POLICIES
-from .planted_run import _check_policy, load, write_csv
+from .planted_run import load, write_csv
+from .policy_specs import bind_policies, check_policy
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 RESTATE = "\n\nLet me restate the question: "
@@ -116,7 +116,7 @@ class Config(RunConfig):
     (``python -m probes.prompt_protection``)."""
 
     traces: Optional[str] = option(None, "JSONL with 'question' and 'text' fields (default: the shipped corpus)")
-    policies: tuple[str, ...] = option(tuple(POLICIES), "policies compared")
+    policies: tuple[str, ...] = option(randattn.COMPARED_POLICIES, "policies compared")
     budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
                          check=POSITIVE)
     buffer: int = option(16, "r: new pairs between rounds", check=POSITIVE)
@@ -134,7 +134,7 @@ class Config(RunConfig):
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
         for spec in self.policies:
-            _check_policy("policies", spec)
+            check_policy("policies", spec)
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
@@ -146,6 +146,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
         raise ConfigError("traces", str(exc)) from None
     folder = out_folder("prompt_protection", config.out)
     model, tok = load(config, None if model is None else (model, tokenizer))
+    bind_policies("policies", config.policies, model)
     tasks = Tasks(tok, rows, body=config.body, seed=config.seed)
     if len(tasks) < config.instances:
         raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
@@ -169,10 +170,9 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     batches = [list(range(b, min(config.instances, b + config.batch))) for b in range(0, config.instances, config.batch)]
     todo = [(arm, idx) for arm in arms for idx in batches if any((i, *arm) not in rf.done for i in idx)]
     for (policy, protect), idx in tqdm(todo, desc="prompt protection", unit="batch"):
-        options = {"stats": randattn.DEFAULT_MODEL} if policy == "triattention" and config.model is None else {}
         try:
             rf.append(run_batch(model, tasks, idx, policy, protect, budget=config.budget, buffer=config.buffer,
-                                seed=config.seed * 1_000_003 + idx[0], options=options))
+                                seed=config.seed * 1_000_003 + idx[0]))
         except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed T - r
             raise ConfigError("policies", f"{policy} (protect_prompt={protect}): {exc}") from None
     return rf, rf.rows

@@ -39,8 +39,16 @@ DEFAULT_TRACES = shipped("traces/smollm2-135m.jsonl")
 
 
 def out_folder(probe: str, out: "str | os.PathLike | None") -> Path:
-    """Where a probe's rows go: ``--out`` (a folder), else ``data/results/<probe>/`` under the current folder."""
-    return Path(out) if out is not None else Path("data") / "results" / probe
+    """Where a probe's rows go: ``--out`` (a folder), else ``data/results/<probe>/`` under the current folder.
+    Refuses (:class:`~probes.config.ConfigError` naming ``out``) a path that is, or lies under, an existing file."""
+    from .config import ConfigError
+
+    folder = Path(out) if out is not None else Path("data") / "results" / probe
+    for p in (folder, *folder.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError("out", f"{p} is a file, not a folder; --out names the folder the results go into "
+                                     "(each file is named after its configuration), e.g. --out results/")
+    return folder
 
 
 def protection_tag(protect_prompt: bool) -> str:

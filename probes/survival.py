@@ -36,7 +36,8 @@ from randattn.traces import load_traces
 
 from . import cli
 from .config import POSITIVE, ConfigError, RunConfig, option
-from .planted_run import _check_policy, load
+from .planted_run import load
+from .policy_specs import bind_policies, calibration_options, check_policy, native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 PAPER = {"budget": 1024, "buffer": 64}
@@ -86,11 +87,7 @@ class Config(RunConfig):
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
         for spec in self.policies:
-            _check_policy("policies", spec)
-        if "triattention" in self.policies and self.stats is None and self.model is not None:
-            raise ConfigError("stats", "--policies includes triattention, which needs statistics of --model: pass "
-                                       f"--stats FILE (make it with `python -m randattn.calibrate --model {self.model} "
-                                       "--out FILE`) or leave triattention out")
+            check_policy("policies", spec)
         if self.stats is not None:
             try:
                 randattn.load_stats(self.stats)
@@ -255,17 +252,8 @@ def random_table(p: Pooled, n_heads: int) -> list[str]:
 def modes_of(policy: str, modes: Sequence[str]) -> list[str]:
     """The asked-for modes a policy can run in: a paper mode name, or a policy defined with a protection mode
     (``random-pcap`` protects part of the prompt itself), runs in that mode only."""
-    if policy in randattn.PAPER_MODES:
-        native = randattn.PAPER_MODES[policy][2]
-    else:
-        native = None if policy == "triattention" else randattn.make_policy(policy).native_protection
+    native = native_protection(policy)
     return [m for m in modes if native is None or MODES[m] == native]
-
-
-def _policy_options(policy: str, config: Config) -> dict:
-    if policy != "triattention":
-        return {}
-    return {"stats": config.stats or randattn.DEFAULT_MODEL}
 
 
 def _slug(config: dict) -> str:
@@ -276,7 +264,7 @@ def _slug(config: dict) -> str:
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
     """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``."""
-    options = {pol: _policy_options(pol, config) for pol in config.policies}
+    options = {pol: calibration_options(pol, config.stats) for pol in config.policies}
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         rows = read_rows(traces)
@@ -284,6 +272,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
         raise ConfigError("traces", str(exc)) from None
     folder = out_folder("survival", config.out)
     model, tok = load(config, None if model is None else (model, tokenizer))
+    bind_policies("policies", config.policies, model, options.get)
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     length = config.budget + config.rounds * config.buffer
     # A protected prompt needs a free slot beside the recent window of r; score-only prompts just have to leave

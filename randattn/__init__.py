@@ -20,6 +20,7 @@ from .models import (
     resolve_device,
 )
 from .policies import (
+    COMPARED_POLICIES,
     PAPER_MODES,
     CacheView,
     Policy,
@@ -45,6 +46,7 @@ __all__ = [
     "register_policy",
     "make_policy",
     "known_policies",
+    "COMPARED_POLICIES",
     "PAPER_MODES",
     "load_policy",
     "score_function",

@@ -69,6 +69,15 @@ def select_keep(scores: torch.Tensor, *, keep: int, recent: int, pinned: Optiona
     return kept
 
 
+def _layers_and_kv_heads(config) -> "tuple[Optional[int], Optional[int]]":
+    """``(layers, KV heads)`` of a decoder config, each ``None`` when the config does not say it as one int."""
+    text = config.get_text_config(decoder=True)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    as_int = lambda v: int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
+    return as_int(layers), as_int(heads)
+
+
 @dataclass(frozen=True)
 class _KeepRule:
     positions: torch.Tensor  # 1-D int64, CPU
@@ -375,6 +384,7 @@ class EvictingCache(Cache):
         # (layers, KV heads) of the model, once known (told by install_guards' hook before the first forward, or
         # learnt from the forwards): keep-mask rules naming a layer or head outside it are refused.
         self._model_shape: Optional[tuple[Optional[int], Optional[int]]] = None
+        self._bound_model = None  # the model bind() last checked the policy against
         self._shared: Optional[tuple] = None  # (round key, per-layer scores) of a policy scored across layers
         needs = set(getattr(self.policy, "needs", ()))
         self.needs_attention = "attention" in needs
@@ -505,6 +515,18 @@ class EvictingCache(Cache):
 
     def clear_keep_masks(self) -> None:
         self._rules.clear()
+
+    def bind(self, model) -> "EvictingCache":
+        """Bind to the model this cache serves, before anything is stored: learn its shape (keep-mask pins naming a
+        layer or head it lacks are refused) and let the policy check or load its calibration data
+        (:meth:`Policy.bind`). Randattn's forward hook calls it at every forward (cheap after the first); call it
+        yourself to fail early. Raises ``ValueError`` naming the fix."""
+        if self._model_shape is None:
+            self._bind_model_shape(*_layers_and_kv_heads(model.config))
+        if self._bound_model is not model:
+            self.policy.bind(model)
+            self._bound_model = model
+        return self
 
     # Out-of-range layers would be ignored and heads caught only at a round: both are refused as soon as the shape
     # is known (at pin time when it is; else before the first forward through install_guards' hook, else at the

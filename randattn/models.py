@@ -305,6 +305,8 @@ def load_model(
             raise OSError(_load_failure("tokenizer", tokenizer or name, exc, tok_local)) from exc
     model.to(dev).eval()
     check_model(model)
+    # Which embedded model this is, for policies with shipped per-model calibration (Policy.bind).
+    model._randattn_embedded = key if key in _EMBEDDED else None
     install_guards(model)
     return model, tokenizer
 
@@ -487,26 +489,16 @@ def _install_generate_guard(model) -> None:
     model.generate = types.MethodType(_guarded_generate, model)
 
 
-def _model_shape(config) -> "tuple[Optional[int], Optional[int]]":
-    """``(layers, KV heads)`` of a decoder config, each ``None`` when the config does not say it as one int."""
-    text = config.get_text_config(decoder=True)
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-    as_int = lambda v: int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None  # noqa: E731
-    return as_int(layers), as_int(heads)
-
-
 def _checks_hook(module, args, kwargs):
-    """Before every forward with an EvictingCache: tell the cache the model's shape (so keep-mask pins naming a layer
-    or head the model lacks are refused before anything is stored), and warn once per model when the sequence
-    passes ``max_position_embeddings``."""
+    """Before every forward with an EvictingCache: bind the cache to the model (its shape, so keep-mask pins naming a
+    layer or head the model lacks are refused, and its policy's calibration data) before anything is stored, and warn
+    once per model when the sequence passes ``max_position_embeddings``."""
     from .cache import EvictingCache
 
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if not isinstance(cache, EvictingCache):
         return None
-    if cache._model_shape is None:
-        cache._bind_model_shape(*_model_shape(module.config))
+    cache.bind(module)
     limit = getattr(module, "_randattn_max_positions", None)
     if limit is not None and not getattr(module, "_randattn_warned_max_positions", False):
         ids = kwargs.get("input_ids", args[0] if args else None)

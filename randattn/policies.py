@@ -124,6 +124,18 @@ class Policy:
     #: the prompt protection the policy is defined with (None: either). A policy that protects part of the
     #: prompt itself (``random-pcap``) says False, so the core does not pin the whole prompt over it.
     native_protection: Optional[bool] = None
+    #: whether the keep-sets depend on the cache's seed (``view.generator`` / ``view.seed``). A seed-free policy
+    #: keeps the same pairs for every seed, so probes run it once per configuration. True unless declared.
+    uses_seed: bool = True
+    #: the constructor option holding calibration data made per model (TriAttention's ``"stats"``), or None;
+    #: probes pass their ``--stats`` file to it, and :meth:`bind` fills it in when it can.
+    calibration: Optional[str] = None
+
+    def bind(self, model) -> "Policy":
+        """Prepare to serve ``model`` (called by the cache before its first forward, or by a probe to fail early):
+        check or load per-model calibration data. Raises ``ValueError`` naming what to pass when the policy cannot
+        serve this model. Idempotent. The default needs nothing."""
+        return self
 
     def score(self, view: CacheView) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -168,6 +180,7 @@ class _FunctionPolicy(Policy):
         self.name = name or getattr(fn, "__name__", "function")
         self.needs = frozenset(getattr(fn, "needs", ()))
         self.window = int(getattr(fn, "window", 0))
+        self.uses_seed = bool(getattr(fn, "uses_seed", True))
         unknown = self.needs - {"queries", "attention"}
         if unknown:
             raise ValueError(f"score function {self.name!r}: needs {sorted(unknown)} unknown; use 'queries' and/or "
@@ -180,16 +193,17 @@ class _FunctionPolicy(Policy):
         return self.fn(view)
 
 
-def score_function(*, needs: "tuple[str, ...]" = (), window: int = 0):
+def score_function(*, needs: "tuple[str, ...]" = (), window: int = 0, uses_seed: bool = True):
     """Mark a plain ``score(view)`` function as wanting ``view.queries`` (the last ``window`` post-RoPE queries)
-    and/or ``view.attention`` (attention received, accumulated over decoding)::
+    and/or ``view.attention`` (attention received, accumulated over decoding); ``uses_seed=False`` declares that
+    it never draws on ``view.generator`` / ``view.seed`` (probes then run it once per configuration)::
 
-        @randattn.score_function(needs=("queries",), window=16)
+        @randattn.score_function(needs=("queries",), window=16, uses_seed=False)
         def my_score(view): ...
     """
 
     def deco(fn):
-        fn.needs, fn.window = tuple(needs), window
+        fn.needs, fn.window, fn.uses_seed = tuple(needs), window, bool(uses_seed)
         return fn
 
     return deco
@@ -301,6 +315,13 @@ def load_policy(spec: str, **kwargs) -> Policy:
         raise ValueError(f"policy {spec!r}: {attr} is a {type(target).__name__}, not a score function or Policy")
     policy.name = spec
     return policy
+
+
+#: The policies a comparison runs by default (every probe's ``--policies``): Random Attention, its shared-draw
+#: ablation, and the selectors the paper compared it with; the other registered policies are ablations and
+#: variants to ask for by name.
+COMPARED_POLICIES: tuple[str, ...] = ("random", "random-shared", "recency", "streamingllm", "h2o", "snapkv", "rkv",
+                                      "rkv-official", "vase", "triattention")
 
 
 #: The paper's engine modes (``--eviction_mode`` in ``kvcompress/engine/cache_utils.py``) by name:
@@ -422,6 +443,8 @@ class RecencyPolicy(Policy):
     """Most recent pairs first. With prompt protection this is Prefix Sliding (the paper's ``recency_pp``:
     prompt + recent window); without it, a plain sliding window."""
 
+    uses_seed = False
+
     def score(self, view: CacheView) -> torch.Tensor:
         return view.positions.to(torch.float32)
 
@@ -429,6 +452,8 @@ class RecencyPolicy(Policy):
 @register_policy("streamingllm")
 class StreamingLLMPolicy(Policy):
     """StreamingLLM: the first ``n_sink`` positions (attention sinks) plus the most recent window."""
+
+    uses_seed = False
 
     def __init__(self, n_sink: int = 4):
         if not isinstance(n_sink, int) or n_sink < 0:

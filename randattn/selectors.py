@@ -176,6 +176,8 @@ class H2OPolicy(Policy):
     in the paper's grid; kept for comparison.
     """
 
+    uses_seed = False
+
     needs = frozenset({"attention"})
     window = 1
 
@@ -202,6 +204,8 @@ class SnapKVPolicy(Policy):
     query group, no observation-window pin (the engine's recent window keeps the newest ``r``).
     ``snapkv-longbench`` is the original authors' setting.
     """
+
+    uses_seed = False
 
     needs = frozenset({"queries"})
 
@@ -247,6 +251,8 @@ class RKVPolicy(Policy):
     is the R-KV authors' version.
     """
 
+    uses_seed = False
+
     needs = frozenset({"queries"})
 
     def __init__(self, lam: float = 0.5, window: Optional[int] = None, kernel: int = 5, pooling: str = "avg",
@@ -271,6 +277,8 @@ class RKVOfficialPolicy(Policy):
     candidates, mean over the queries, max pooling k=7. Redundancy: :func:`official_redundancy` (cosine
     ``threshold`` 0.5, the newest similar copy spared). score = lam * I - (1 - lam) * R.
     """
+
+    uses_seed = False
 
     needs = frozenset({"queries"})
 

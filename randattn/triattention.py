@@ -56,6 +56,7 @@ Shipped statistics live in ``randattn/stats/<name>.pt`` (a short name resolves t
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -225,6 +226,12 @@ def _resolve(spec: "str | os.PathLike") -> Path:
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped(name: str) -> TriAttentionStats:
+    """A shipped statistics file, loaded once per process (every cache of a run binds to it)."""
+    return TriAttentionStats.load(shipped_stats()[name])
+
+
 def load_stats(spec: "str | os.PathLike | dict | TriAttentionStats") -> TriAttentionStats:
     """Statistics from a path, the short name of a shipped file (e.g. ``"smollm2-135m"``), a dict
     as saved by :meth:`TriAttentionStats.save`, or a :class:`TriAttentionStats` (returned as is)."""
@@ -338,31 +345,27 @@ class TriAttentionPolicy(Policy):
     Args:
         stats: the model's statistics: a ``.pt`` path from ``python -m randattn.calibrate``, the
             short name of a shipped file (``"smollm2-135m"``), a dict or :class:`TriAttentionStats`.
-            Required.
+            ``None``: :meth:`bind` takes the shipped ones of the model (the embedded model has them) or
+            refuses the model, before anything is scored.
         offsets: future offsets ``delta`` averaged over (default ``1, 2, 4, ..., 65536``).
         aggregate: ``"max"`` (default, after z-normalisation) or ``"mean"`` over the query group.
         shared_layers: one keep-set per KV head for all layers (default, ``triattn_ph``), or one per layer
             (``triattn_pl``).
     """
 
+    uses_seed = False
+    calibration = "stats"
     needs = frozenset()
 
     def __init__(self, stats=None, offsets: Optional[Sequence[int]] = None, aggregate: str = "max",
                  shared_layers: bool = True):
-        if stats is None:
-            shipped = ", ".join(f'"{n}"' for n in shipped_stats()) or "none"
-            raise ValueError(
-                "triattention: no TriAttention statistics for this model (stats=None); the policy scores keys with "
-                f"per-head query statistics calibrated once per model. Create them with `{CALIBRATE_HINT}` and pass them as "
-                'EvictingCache("triattention", budget=..., stats="stats.pt"). '
-                f"Shipped statistics (pass the name instead of a path): {shipped}."
-            )
         if aggregate not in _AGGREGATES:
             raise ValueError(f"triattention: aggregate must be one of {_AGGREGATES}, got {aggregate!r}")
         if not isinstance(shared_layers, bool):
             raise ValueError(f"triattention: shared_layers must be True or False, got {shared_layers!r}")
-        self._stats = load_stats(stats)
-        self.stats = stats if isinstance(stats, (str, os.PathLike)) else "<in-memory>"
+        self._stats = None if stats is None else load_stats(stats)
+        self.stats = stats if stats is None or isinstance(stats, (str, os.PathLike)) else "<in-memory>"
+        self._bound = None  # the model the statistics were checked against
         self.offsets = _check_offsets(DEFAULT_OFFSETS if offsets is None else offsets)
         self.aggregate = aggregate
         self.shared_layers = shared_layers
@@ -372,6 +375,25 @@ class TriAttentionPolicy(Policy):
     def scope(self) -> str:  # type: ignore[override]
         return "model" if self.shared_layers else "layer"
 
+    def bind(self, model) -> "TriAttentionPolicy":
+        """Check the statistics against ``model``'s shapes; without statistics, take the shipped ones of a model
+        randattn loaded from its embedded files, else refuse it with the calibration command."""
+        if self._bound is model:
+            return self
+        if self._stats is None:
+            name = getattr(model, "_randattn_embedded", None)
+            if name not in shipped_stats():
+                shipped = ", ".join(f'"{n}"' for n in shipped_stats()) or "none"
+                raise ValueError(
+                    "triattention needs TriAttention statistics for this model (stats=None, and none ship for it): the "
+                    f"policy scores keys with per-head query statistics calibrated once per model. Create them with "
+                    f'`{CALIBRATE_HINT}` and pass stats="stats.pt" (a probe\'s --stats FILE). Shipped (pass the name): '
+                    f"{shipped}.")
+            self._stats, self.stats = _shipped(name), name
+        check_stats(self._stats, model)
+        self._bound = model
+        return self
+
     def _tensors(self, device: torch.device):
         key = str(device)
         if key not in self._on:
@@ -380,6 +402,10 @@ class TriAttentionPolicy(Policy):
         return self._on[key]
 
     def _check_view(self, view: CacheView) -> None:
+        if self._stats is None:
+            raise ValueError('triattention has no statistics: pass stats="stats.pt" (from `' + CALIBRATE_HINT + '`), '
+                             "or run it on the embedded model loaded by randattn.load_model(), whose statistics ship (the "
+                             "cache binds the policy to the model at its first forward)")
         st = self._stats
         _, h, _, d = view.keys.shape
         problems = []

@@ -114,7 +114,7 @@ def test_memory_runs_each_arm_in_its_own_process(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("script,flags,needle", [
-    ("equal_memory", ["--policies", "nope"], "--policies 'nope' is unknown"),
+    ("equal_memory", ["--policies", "nope"], "--policies: 'nope' is unknown"),
     ("batch_scaling", ["--policies", "triattention"], "--stats FILE"),
     ("replay_speed", ["--traces", "missing.jsonl"], "--traces missing.jsonl: no such file"),
     ("memory", ["--budget", "40"], "--budget 40 cannot hold the protected 70-token prompt"),

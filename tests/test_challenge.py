@@ -102,8 +102,8 @@ def test_a_broken_selector_stops_before_any_work_with_the_reason(selectors, tiny
 
 def test_flags_are_checked(selectors, tiny_dir, tmp_path, capsys):
     for flags, message in ((["--policy", "random"], "reference"), (["--policy", "challengers:random_again",
-                                                                     "--baselines", "nope"], "--baselines 'nope'"),
-                           (["--policy", "challengers:random_again", "--task", "nope"], "--task 'nope'")):
+                                                                     "--baselines", "nope"], "--baselines: 'nope'"),
+                           (["--policy", "challengers:random_again", "--task", "nope"], "--task: invalid choice: 'nope'")):
         with pytest.raises(SystemExit):
             _challenge(*flags, "--model", tiny_dir, "--out", str(tmp_path / "x"))
         assert message in capsys.readouterr().err

@@ -109,7 +109,8 @@ def test_probes_take_a_selector_spec_and_name_files_after_it(selector_file, tiny
     assert passcode.main(["--model", tiny_dir, "--out", str(tmp_path), "--no-figure", "--instances", "2",
                           "--batch", "2", "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "3",
                           "--policies", "random", "my_selector:newest"]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "my_selector.newest.jsonl").read_text().splitlines()]
+    (path,) = tmp_path.glob("*-my_selector.newest-K96-*.jsonl")  # the file name carries the spec's slug
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(rows) == 2 and all(r["config"]["policy"] == "my_selector:newest" for r in rows)
     assert "my_selector:newest" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -132,13 +132,22 @@ def test_challenge_restart_never_empties_a_users_folder(tiny_dir, tmp_path, caps
 def test_head_pooling_refuses_a_foreign_out_file_before_loading_anything(tiny_dir, tmp_path, capsys):
     from probes import head_pooling
 
+    flags = ["--model", tiny_dir, "--budget", "64", "--buffer", "12", "--distance", "90", "--instances", "2",
+             "--batch", "2", "--parity", "0", "--no-figure"]
     cfg = tmp_path / "config.json"
     cfg.write_text('{"important":1}')
+    with pytest.raises(SystemExit):  # --out is a folder: a file given there is refused, untouched
+        head_pooling.main([*flags, "--out", str(cfg)])
+    assert "--out: " in capsys.readouterr().err and cfg.read_text() == '{"important":1}'
+    # a foreign file that has the results file's name in the folder is refused too, untouched
+    folder = tmp_path / "mine"
+    assert head_pooling.main([*flags, "--out", str(folder)]) == 0
+    (path,) = folder.glob("*.jsonl")
+    path.write_text('{"important":1}')
     with pytest.raises(SystemExit):
-        head_pooling.main(["--model", tiny_dir, "--out", str(cfg), "--budget", "64", "--buffer", "12", "--distance",
-                           "90", "--instances", "2", "--batch", "2", "--parity", "0", "--no-figure"])
+        head_pooling.main([*flags, "--out", str(folder)])
     assert "not a results file written by randattn" in capsys.readouterr().err
-    assert cfg.read_text() == '{"important":1}'
+    assert path.read_text() == '{"important":1}'
 
 
 def test_planted_probe_resume_after_a_torn_batch_matches_an_uninterrupted_run(tiny_dir, tmp_path):
@@ -147,12 +156,13 @@ def test_planted_probe_resume_after_a_torn_batch_matches_an_uninterrupted_run(ti
 
     args = ["--model", tiny_dir, "--budget", "64", "--buffer", "12", "--distance", "90", "--instances", "4",
             "--batch", "2", "--parity", "0", "--no-figure"]
-    whole = tmp_path / "whole.jsonl"
-    assert head_pooling.main(args + ["--out", str(whole)]) == 0
-    cut = tmp_path / "cut.jsonl"
+    assert head_pooling.main(args + ["--out", str(tmp_path / "whole")]) == 0
+    (whole,) = (tmp_path / "whole").glob("*.jsonl")
+    cut = tmp_path / "cut" / whole.name
+    cut.parent.mkdir()
     lines = whole.read_bytes().splitlines(keepends=True)
     cut.write_bytes(b"".join(lines[:19]) + lines[19][:30])  # mid-batch, mid-line
-    assert head_pooling.main(args + ["--out", str(cut)]) == 0
+    assert head_pooling.main(args + ["--out", str(cut.parent)]) == 0
     a = [json.loads(x) for x in whole.read_text().splitlines()]
     b = [json.loads(x) for x in cut.read_text().splitlines()]
     strip = lambda rows: sorted((json.dumps({k: v for k, v in r.items() if k != "config"}, sort_keys=True)  # noqa: E731

@@ -51,6 +51,13 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _measured(rows):
+    """Rows without what only says where they were measured (device, revision, versions: never compared)."""
+    from probes.results import INFORMATIONAL
+
+    return [{**r, "config": {k: v for k, v in r["config"].items() if k not in INFORMATIONAL}} for r in rows]
+
+
 def _grid(spec, out, *flags):
     return grid.main([spec, "--out", str(out), "--no-figure", "--cpus-per-worker", "1", *flags])
 
@@ -92,7 +99,7 @@ def test_example_specs_parse():
 
 
 @pytest.mark.parametrize("line,message", [
-    ('policies = ["random", "nope"]', "policies 'nope' is unknown; choose from full, h2o"),
+    ('policies = ["random", "nope"]', "policies: 'nope' is unknown; choose from full, h2o"),
     ('policies = ["random", "no_such_module:score"]', "cannot import 'no_such_module'"),
     ('task = "math5000"', "task: 'math5000' unknown; choose from math500"),
     ('models = ["/no/such/model"]', "models: '/no/such/model' is not a directory; give a local directory"),
@@ -134,10 +141,10 @@ def test_local_grid_writes_the_single_machine_files_and_resumes(tiny_dir, tmp_pa
     spec = _acc_spec(tmp_path, tiny_dir)
     assert grid.main([spec, "--out", str(out)]) == 0  # with the figure
     (name, rows), = _merged(out).items()
-    single = tmp_path / name.split("/")[-1]
+    single = tmp_path / "single" / name.split("/")[-1]  # --out is a folder; the file name is the grid's
     assert accuracy.main(["--model", tiny_dir, *ACCURACY_FLAGS, "--problems", "3", "--max-new-tokens", "24",
-                          "--out", str(single), "--no-figure"]) == 0
-    assert rows == _rows(single)  # same rows, same config, same order
+                          "--out", str(single.parent), "--no-figure"]) == 0
+    assert _measured(rows) == _measured(_rows(single))  # same rows, same config, same order
     for ext in (".summary.csv", ".table.md"):
         assert (out / name).with_suffix(ext).read_text() == single.with_suffix(ext).read_text()
     assert (out / "figures" / f"{single.stem}.png").exists()
@@ -150,7 +157,7 @@ def test_local_grid_writes_the_single_machine_files_and_resumes(tiny_dir, tmp_pa
     assert {p: p.stat().st_mtime_ns for p in (out / "items").rglob("*.json")} == items
     # and probes.accuracy finds every row already there in the merged file
     assert accuracy.main(["--model", tiny_dir, *ACCURACY_FLAGS, "--problems", "3", "--max-new-tokens", "24",
-                          "--out", str(out / name), "--no-figure"]) == 0
+                          "--out", str((out / name).parent), "--no-figure"]) == 0
     assert _rows(out / name) == rows
 
 
@@ -164,8 +171,9 @@ def test_passcode_grid_writes_what_probes_passcode_writes(tiny_dir, tmp_path):
                           "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
                           "--policies", "random", "recency", "h2o"]) == 0
     (combo,) = (out / "passcode").iterdir()
-    for policy in ("random", "recency", "h2o"):
-        assert _rows(combo / f"{policy}.jsonl") == _rows(single / f"{policy}.jsonl")
+    for policy in ("random", "recency", "h2o"):  # the same file names as the single-machine run's
+        (grid_file,) = combo.glob(f"*-{policy}-K96-*.jsonl")
+        assert _measured(_rows(grid_file)) == _measured(_rows(single / grid_file.name))
     summary = f"summary-{combo.name}.csv"
     assert (combo / summary).read_text() == (single / summary).read_text()
 

@@ -73,7 +73,7 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     (["--policy", "nope"], "--policy"),
     (["--box-width", "16"], "--box-width"),
     (["--traces", "/nonexistent.jsonl"], "probes.traces"),
-    (["--instances", "0"], "--instances: must be a positive number, got 0"),
+    (["--instances", "0"], "--instances: must be a positive integer, got 0"),
     (["--parity", "-1"], "--parity: must be a non-negative number"),
     (["--budget", "abc"], "expected an integer, got 'abc'"),
     (["--buffer", "64"], "--budget: T=64 must exceed r=64"),

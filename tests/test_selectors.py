@@ -556,3 +556,22 @@ def test_raw_model_without_capture_hooks_says_what_is_missing(policy):
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     assert cache.events == [1, 1] and cache.physical_length(0) == 32
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_uses_seed_is_declared_truthfully(tiny, policy):
+    """Probes run a policy declaring ``uses_seed = False`` once per configuration: its keep-sets (and outputs) must
+    then be the same for every seed, and a policy declaring True must really vary with it."""
+    model = tiny("llama")
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    options = {"random-pcap": {"cap": 4}, "random-pmix": {"small": 4}}.get(policy, {})
+
+    def kept(seed):
+        cache = randattn.EvictingCache(policy, budget=48, buffer=8, seed=seed, **options)
+        out = randattn.generate(model, ids, cache, max_new_tokens=60, do_sample=False, pad_token_id=0)
+        assert cache.total_events > 0
+        return out, [cache.positions(i) for i in range(len(cache.layers))]
+
+    (out0, pos0), (out1, pos1) = kept(0), kept(1)
+    same = torch.equal(out0, out1) and all(torch.equal(a, b) for a, b in zip(pos0, pos1))
+    assert same is not randattn.make_policy(policy, **options).uses_seed

@@ -19,9 +19,11 @@ def _rows(path):
 def test_survival_probe_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys):
     from probes import survival
 
-    out = tmp_path / "sv.jsonl"
-    args = ["--model", tiny_dir, "--out", str(out), "--figure-dir", str(tmp_path), *SMALL]
+    folder = tmp_path / "sv"  # --out is a folder; the file is named after the configuration
+    args = ["--model", tiny_dir, "--out", str(folder), "--figure-dir", str(tmp_path), *SMALL]
     assert survival.main(args + ["--policies", "random", "recency"]) == 0
+    (out,) = folder.glob("*.jsonl")
+    assert out.name.endswith("-K128-r8-n6-seq2-b2-s0.jsonl")
     first = _rows(out)
     assert len(first) == 2 * 2 * 2  # policies x modes x sequences
     assert {(r["policy"], r["mode"]) for r in first} == {(p, m) for p in ("random", "recency")
@@ -51,9 +53,9 @@ def test_survival_probe_writes_rows_resumes_and_draws(tiny_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("flags,message", [
     (["--policies", "random", "nope"], "--policies"),
-    (["--policies", "triattention"], "--tri-stats"),
+    (["--policies", "triattention"], "--stats"),
     (["--policies", "random", "--modes", "neither"], "--modes"),
-    (["--rounds", "0"], "positive integer"),
+    (["--rounds", "0"], "--rounds: must be a positive integer"),
     (["--policies", "random", "--budget", "40"], "--budget"),
     (["--policies", "random", "--traces", "/nonexistent.jsonl"], "probes.traces"),
 ])
@@ -61,21 +63,26 @@ def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
     from probes import survival
 
     with pytest.raises(SystemExit):
-        survival.main(["--model", tiny_dir, "--out", str(tmp_path / "x.jsonl"), "--no-figure", *SMALL, *flags])
+        survival.main(["--model", tiny_dir, "--out", str(tmp_path / "x"), "--no-figure", *SMALL, *flags])
     assert message in capsys.readouterr().err
 
 
 def test_changed_configuration_is_refused_not_mixed(tiny_dir, tmp_path, capsys):
     from probes import survival
 
-    out = tmp_path / "x.jsonl"
-    base = ["--model", tiny_dir, "--out", str(out), "--no-figure", "--policies", "recency", "--modes", "protected"]
+    folder = tmp_path / "x"
+    base = ["--model", tiny_dir, "--out", str(folder), "--no-figure", "--policies", "recency", "--modes", "protected"]
     assert survival.main(base + SMALL) == 0
+    # another --rounds is another file (its name says the configuration); a setting the name does not carry
+    # (the entropy bins) meets the old rows and is refused
+    assert survival.main(base + SMALL + ["--rounds", "5"]) == 0
+    assert len(list(folder.glob("*.jsonl"))) == 2
     with pytest.raises(SystemExit):
-        survival.main(base + SMALL + ["--rounds", "5"])
+        survival.main(base + SMALL + ["--entropy-bins", "5"])
     assert "--restart" in capsys.readouterr().err
-    assert survival.main(base + SMALL + ["--rounds", "5", "--restart"]) == 0
-    assert {r["rounds"] for r in _rows(out)} == {5}
+    assert survival.main(base + SMALL + ["--entropy-bins", "5", "--restart"]) == 0
+    (out,) = folder.glob("*-n6-*.jsonl")
+    assert {r["config"]["entropy_bins"] for r in _rows(out)} == {5}
 
 
 @pytest.mark.slow

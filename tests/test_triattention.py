@@ -383,13 +383,28 @@ def test_prompt_is_never_evicted_under_triattention(tiny):
 
 
 # -- 5. errors -------------------------------------------------------------------------------------
-def test_missing_stats_error_says_how_to_make_them():
+def test_without_stats_it_binds_to_the_shipped_ones_or_refuses_the_model_before_anything_is_stored(tiny):
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    policy = randattn.make_policy("triattention")  # building it needs nothing: bind() finds or refuses statistics
     with pytest.raises(ValueError) as err:
-        randattn.EvictingCache("triattention", budget=32, buffer=8)
+        policy.bind(tiny("llama"))
     msg = str(err.value)
-    assert "python -m randattn.calibrate --model" in msg and "--out" in msg
-    assert 'EvictingCache("triattention", budget=..., stats=' in msg
-    assert "no TriAttention statistics" in msg
+    assert "needs TriAttention statistics" in msg and "python -m randattn.calibrate --model" in msg and "stats=" in msg
+    with pytest.raises(ValueError, match="has no statistics"):  # scoring unbound says what to do, too
+        policy.score(_view(torch.randn(1, 2, 6, 16), seq_len=6))
+    cache = randattn.EvictingCache("triattention", budget=20, buffer=4)
+    with pytest.raises(ValueError, match="needs TriAttention statistics"):  # the cache binds at its first forward
+        randattn.replay(tiny("llama"), random_ids(1, 40), cache, prompt_len=4)
+    assert cache.get_seq_length() == 0
+    # a model randattn loaded from its embedded files gets the shipped statistics (a weightless stand-in here)
+    smollm = SimpleNamespace(config=LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                                hidden_size=576), _randattn_embedded="smollm2-135m")
+    bound = randattn.make_policy("triattention").bind(smollm)
+    assert bound.stats == "smollm2-135m" and bound._stats.num_layers == 30
+    assert randattn.make_policy("triattention").calibration == "stats" and not bound.uses_seed
 
 
 def test_missing_file_and_unknown_name(tmp_path):
@@ -419,20 +434,24 @@ def test_wrong_shape_stats_are_named(tiny, tmp_path):
 
     stats = calibrate(tiny("llama"), _calib_ids(n=1), progress=False)  # 2 layers, 4 q heads, 2 kv heads, dim 16
     stats.save(tmp_path / "s.pt")
-    # head_dim 8: refused at the first round, naming both head dims
+    # statistics of another shape are refused when the cache binds to the model, before anything is stored
     other = tiny_model("llama", head_dim=8)
     cache = randattn.EvictingCache("triattention", budget=20, buffer=4, stats=str(tmp_path / "s.pt"))
-    with pytest.raises(RuntimeError, match="head_dim 8 but the statistics have head_dim 16"):
+    with pytest.raises(ValueError, match=r"head_dim 16 \(model has 8\)"):
         randattn.replay(other, random_ids(1, 40), cache, prompt_len=4)
-    # more layers than the statistics cover: the round of layer 2 is refused
+    assert cache.get_seq_length() == 0
     deeper = tiny_model("llama", num_hidden_layers=3)
-    cache = randattn.EvictingCache("triattention", budget=20, buffer=4, stats=stats)
-    with pytest.raises(RuntimeError, match="layer 2 but the statistics cover 2 layers"):
-        randattn.replay(deeper, random_ids(1, 40), cache, prompt_len=4)
-    # KV heads differ
-    with pytest.raises(RuntimeError, match="KV heads"):
+    with pytest.raises(ValueError, match=r"num_layers 2 \(model has 3\)"):
+        randattn.EvictingCache("triattention", budget=20, buffer=4, stats=stats).bind(deeper)
+    with pytest.raises(ValueError, match="num_kv_heads 2 \\(model has 4\\)"):
         randattn.replay(tiny_model("llama", num_key_value_heads=4), random_ids(1, 40),
                         randattn.EvictingCache("triattention", budget=20, buffer=4, stats=stats), prompt_len=4)
+    # a view of another shape is refused at scoring too (a cache used without randattn's forward hook)
+    policy = randattn.make_policy("triattention", stats=stats)
+    with pytest.raises(ValueError, match="head_dim 8 but the statistics have head_dim 16"):
+        policy.score(_view(torch.randn(1, 2, 6, 8), seq_len=6))
+    with pytest.raises(ValueError, match="layer 2 but the statistics cover 2 layers"):
+        policy.score(_view(torch.randn(1, 2, 6, 16), seq_len=6, layer_idx=2))
     # check_stats compares everything up front
     with pytest.raises(ValueError, match=r"num_layers 2 \(model has 3\)"):
         check_stats(stats, deeper)
@@ -464,9 +483,9 @@ def test_embedded_model_generates_and_replays_with_shipped_stats(embedded):
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     k, r, new = 64, 16, 100
     assert ids.shape[1] < k
-    cache = randattn.EvictingCache("triattention", budget=k, buffer=r, stats="smollm2-135m")
+    cache = randattn.EvictingCache("triattention", budget=k, buffer=r)  # binds to the shipped statistics by itself
     out = randattn.generate(model, ids, cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    assert out.shape[1] == ids.shape[1] + new
+    assert out.shape[1] == ids.shape[1] + new and cache.policy.stats == "smollm2-135m"
     rounds = (ids.shape[1] + new - 1 - k) // r
     assert rounds >= 3 and cache.events == [rounds] * 30
     assert cache.physical_length(0) < k + r

@@ -1,0 +1,61 @@
+"""Policy names as probes take them: checked once, asked what they need, bound to the model before a run.
+
+A probe never keeps lists of which policy needs what: it asks the policy (``uses_seed``, ``calibration``,
+``native_protection``, :meth:`randattn.Policy.bind`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import randattn
+
+from .config import ConfigError
+
+__all__ = ["check_policy", "calibration_options", "bind_policies", "seed_free", "native_protection"]
+
+
+def check_policy(field: str, spec: str, *, extra=()) -> None:
+    """``spec`` is a registered policy, a paper mode name, a word in ``extra`` (e.g. ``full``) or a loadable
+    ``MODULE:CALLABLE`` selector; else :class:`ConfigError` naming ``field``."""
+    known = [*randattn.known_policies(), *randattn.PAPER_MODES]
+    if spec in extra or spec in known:
+        return
+    if ":" not in spec:
+        raise ConfigError(field, f"{spec!r} is unknown; choose from {', '.join([*extra, *known])}, or give your own "
+                                 "selector as MODULE:CALLABLE (e.g. my_selector:score)")
+    try:
+        randattn.load_policy(spec)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(field, str(exc)) from None
+
+
+def calibration_options(spec: str, stats) -> dict:
+    """``{option: stats}`` for a policy that takes per-model calibration data (``Policy.calibration``) when a
+    probe's ``--stats`` is given; else ``{}`` (the policy's :meth:`~randattn.Policy.bind` then finds its own, e.g.
+    the embedded model's shipped statistics, or refuses the model)."""
+    option = randattn.make_policy(spec).calibration
+    return {option: stats} if stats is not None and option else {}
+
+
+def bind_policies(field: str, specs, model, options_for=lambda spec: {}) -> None:
+    """Build every policy with its options and bind it to ``model`` before a run starts, so a policy that cannot
+    serve it (TriAttention without statistics for it, statistics of another model) stops the run with a
+    :class:`ConfigError` naming ``field`` instead of failing at its first cache."""
+    for spec in specs:
+        try:
+            randattn.make_policy(spec, **options_for(spec)).bind(model)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise ConfigError(field, f"{spec}: {exc}") from None
+
+
+def seed_free(spec: str, options: Optional[dict] = None) -> bool:
+    """Whether the policy's keep-sets ignore the seed (it then runs once per configuration)."""
+    return not randattn.make_policy(spec, **(options or {})).uses_seed
+
+
+def native_protection(spec: str) -> Optional[bool]:
+    """The prompt protection a policy or paper mode is defined with (``None``: either)."""
+    if spec in randattn.PAPER_MODES:
+        return randattn.PAPER_MODES[spec][2]
+    return randattn.make_policy(spec).native_protection
