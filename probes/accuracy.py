@@ -62,6 +62,8 @@ KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 #: (``scripts/run_cell.sh``): each baseline in its native mode against protected Random, sampling with the model
 #: card's settings (its generation config), the paper's runs per task.
 PROTOCOLS = ("protected", "score-only", "matched", "grid")
+# the default run's results (the embedded model on the copy task); figures/__main__.py draws it by default
+DEFAULT_RESULT_NAME = "smollm2-135m-copy-r16-n192-s0.jsonl"
 #: The native prompt protection of each policy in the paper's grid (``random_pp``, ``attn``, ``attn_rkv``,
 #: ``rkv_official``, ``range_sink_sample_attn``, ``triattn_ph`` with the prefill pinned, ``recency_pp``); policies the
 #: grid did not run take their original papers' mode (H2O and StreamingLLM keep no prompt).
@@ -464,8 +466,11 @@ def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
     print(f"\nrows: {rf.path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     if not config.no_figure:
         problems = ",".join(sorted({r["problem"] for r in rows}))
+        # the default run's figure is figures/accuracy.*, as `python -m figures` draws it; any other run's is named
+        # after its results so that runs of other tasks or budgets do not overwrite it
+        name = "accuracy" if rf.path.name == DEFAULT_RESULT_NAME else rf.path.stem
         cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs),
-                 "--name", rf.path.stem)
+                 "--name", name)
 
 
 def main(argv=None) -> int:

@@ -195,7 +195,8 @@ def test_harness_rows_resume_table_and_figure(tiny_dir, tmp_path, capsys):
     for ext in (".summary.csv", ".table.csv", ".table.tex", ".table.md"):
         assert out.with_suffix(ext).exists()
     assert "\\begin{tabular}" in out.with_suffix(".table.tex").read_text()
-    assert (tmp_path / "accuracy.png").exists() and (tmp_path / "accuracy.pdf").exists()
+    # not the default run: the figure is named after its results, beside the default one's name
+    assert (tmp_path / f"{out.stem}.png").exists() and (tmp_path / f"{out.stem}.pdf").exists()
 
     assert _run(tiny_dir, tmp_path, *flags, "--problems", "4")[0] == 0  # resume: only problem 3 is new
     rows = _rows(out)

@@ -20,6 +20,12 @@ def test_every_figure_has_shipped_results_and_is_drawn(tmp_path, capsys, monkeyp
             assert f.exists() and f.stat().st_size > 5_000, f
 
 
+def test_the_accuracy_probe_names_its_default_figure_as_the_registry_does():
+    from probes.accuracy import DEFAULT_RESULT_NAME
+
+    assert FIGURES["accuracy"][2] == f"accuracy/{DEFAULT_RESULT_NAME}"
+
+
 def test_a_missing_result_names_the_command(tmp_path, capsys):
     assert main(["--probe", "scatter", "--results", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path)]) == 1
     assert "python -m probes.scatter" in capsys.readouterr().err

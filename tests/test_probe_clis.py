@@ -74,10 +74,10 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     (["--box-width", "16"], "--box-width"),
     (["--traces", "/nonexistent.jsonl"], "probes.traces"),
     (["--instances", "0"], "--instances: must be a positive integer, got 0"),
-    (["--parity", "-1"], "--parity: must be a non-negative number"),
+    (["--parity", "-1"], "--parity: must be a non-negative integer, got -1"),
     (["--budget", "abc"], "expected an integer, got 'abc'"),
     (["--buffer", "64"], "--budget: T=64 must exceed r=64"),
-    (["--seed", "-1"], "--seed: must be a non-negative number"),
+    (["--seed", "-1"], "--seed: must be a non-negative integer, got -1"),
 ])
 def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
     from probes import head_pooling
