@@ -450,7 +450,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile
     return config, rf, [r for r in rf.rows if r["problem"] in ids and r["run"] < config.runs]
 
 
-def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
+def report(config: Config, rf: ResultsFile, rows: list[dict], *, figure_name: Optional[str] = None) -> None:
     table = summarize(rows, seed=config.seed)
     gains = protection_gains(rows, seed=config.seed)
     print_summary(table, gains, config.protocol)
@@ -468,7 +468,7 @@ def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
         problems = ",".join(sorted({r["problem"] for r in rows}))
         # the default run's figure is figures/accuracy.*, as `python -m figures` draws it; any other run's is named
         # after its results so that runs of other tasks or budgets do not overwrite it
-        name = "accuracy" if rf.path.name == DEFAULT_RESULT_NAME else rf.path.stem
+        name = figure_name or ("accuracy" if rf.path.name == DEFAULT_RESULT_NAME else rf.path.stem)
         cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs),
                  "--name", name)
 

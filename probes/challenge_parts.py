@@ -100,7 +100,7 @@ def accuracy_part(ctx: Context) -> list[dict]:
                           runs=n["runs"], problems=n["problems"], data=a.data, stats=a.stats,
                           protect_prompt=a.protect_prompt)
     resolved, rf, _ = accuracy.run(acc, *ctx.loaded)
-    accuracy.report(resolved, rf, _)
+    accuracy.report(resolved, rf, _, figure_name="accuracy")
     rows = rf.rows
     problems = {p.id for p in accuracy.load_problems(accuracy.get_task(a.task), a.data, n["problems"])}
     rows = [r for r in rows if r["problem"] in problems and r["run"] < n["runs"]]

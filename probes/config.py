@@ -182,9 +182,19 @@ def _argtype(kind):
     return str
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds ``(default: X)`` to a flag's help, unless the help already says its default, and never for switches."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def parser_for(cls, description: str, *, defaults: Optional[dict] = None) -> argparse.ArgumentParser:
     """The argparse parser of a config class: one flag per field, its help and default from the field."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=_DefaultsFormatter)
     hints = typing.get_type_hints(cls)
     defaults = defaults or {}
     for f in dataclasses.fields(cls):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -25,7 +26,7 @@ __all__ = ["ResultsFile", "NotOurFile", "git_revision", "REPO_ROOT", "DEFAULT_TR
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Config entries that describe where and with what a row was measured, not what was measured: never compared on
 #: resume, so a run continued after an upgrade or on another device still finds its rows.
-INFORMATIONAL = ("revision", "versions", "device")
+INFORMATIONAL = ("revision", "versions", "device", "date")
 
 
 class NotOurFile(ValueError):
@@ -99,9 +100,9 @@ def versions() -> dict:
 
 
 def run_record(model=None) -> dict:
-    """What every results file records besides the configuration: versions, device, and the git revision of the
-    checkout when run from one (informational: see :data:`INFORMATIONAL`)."""
-    record = {"versions": versions(), "revision": git_revision()}
+    """What every results file records besides the configuration: versions, device, the (UTC) date of the run and
+    the git revision of the checkout when run from one (informational: see :data:`INFORMATIONAL`)."""
+    record = {"versions": versions(), "revision": git_revision(), "date": datetime.now(timezone.utc).date().isoformat()}
     if model is not None:
         record["device"] = str(getattr(model, "device", "cpu"))
     return record

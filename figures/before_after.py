@@ -1,0 +1,166 @@
+"""Headline numbers before and after the paper's engine, beside the paper's values.
+
+    python -m figures.before_after --snapshot   # (from a git checkout) copy the previous engine's result files
+    python -m figures.tables                    # renders the before/after table in docs/remeasure.md
+
+"Before" is the toolkit's engine up to revision ``OLD_REVISION`` (every pair of a round competed, the budget
+counted without the recent window); its result files are copied once from git into ``docs/data/old-engine/``
+(documentation data, not shipped with the package). "After" is the shipped results on the paper's engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+OLD_REVISION = "0918c9a"  # the last revision before the paper's engine (6ced941)
+OLD = Path(__file__).resolve().parents[1] / "docs" / "data" / "old-engine"
+
+# old path at OLD_REVISION -> the name it is kept under in docs/data/old-engine/
+OLD_FILES = {
+    "data/results/head_pooling/smollm2-135m-random-K256-r16-d384-s0.summary.csv": "head_pooling.summary.csv",
+    "data/results/scatter/smollm2-135m-random-K256-r16-d384-s0.summary.csv": "scatter.summary.csv",
+    "data/results/two_facts/smollm2-135m-random-K256-r16-d384-s0.summary.csv": "two_facts.summary.csv",
+    "data/results/blocks/summary-smollm2-135m-K256-r16-d384-s0.csv": "blocks.summary.csv",
+    "data/results/passcode/summary-smollm2-135m-K256-r16-n57-s0.csv": "passcode.summary.csv",
+    "data/results/prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv": "prompt_protection.summary.csv",
+    "data/results/shared_draw/summary-smollm2-135m-K256-r16-s0.csv": "shared_draw.summary.csv",
+    "data/results/accuracy/smollm2-135m-copy-r16-n192-s0.table.csv": "accuracy.table.csv",
+}
+SURVIVAL = "data/results/survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
+
+
+def _survival_summary(rows: list[dict]) -> list[dict]:
+    """Per (policy, mode): per-head and union survival after 12 rounds, slot coverage, prompt survival (union)."""
+    from randattn.analysis.survival import pool
+
+    out = []
+    for p in pool(rows).values():
+        c, i = p.by_rounds, 12 - 1  # bin i holds what has been through i + 1 rounds
+        ok = len(c.total) > i and c.total[i]
+        out.append({"policy": p.policy, "mode": p.mode, "s_h12": float(c.head[i]) if ok else np.nan,
+                    "s_u12": float(c.union[i]) if ok else np.nan, **p.metrics})
+    return out
+
+
+def snapshot() -> None:
+    """Copy the previous engine's files out of git (needs a checkout with that revision)."""
+    OLD.mkdir(parents=True, exist_ok=True)
+    show = lambda path: subprocess.run(["git", "show", f"{OLD_REVISION}:{path}"], check=True,  # noqa: E731
+                                       capture_output=True, text=True, cwd=OLD.parents[2]).stdout
+    for path, name in OLD_FILES.items():
+        (OLD / name).write_text(show(path))
+    rows = [json.loads(line) for line in show(SURVIVAL).splitlines() if line.strip()]
+    table = _survival_summary(rows)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(table[0]))
+    w.writeheader()
+    w.writerows(table)
+    (OLD / "survival.summary.csv").write_text(buf.getvalue())
+    (OLD / "README.md").write_text(
+        f"# The previous engine's results\n\nCopied by `python -m figures.before_after --snapshot` from git revision "
+        f"`{OLD_REVISION}` (the last before the paper's engine): each file is `git show {OLD_REVISION}:<path>` of\n\n"
+        + "".join(f"- `{name}`: `{path}`\n" for path, name in OLD_FILES.items())
+        + f"- `survival.summary.csv`: summarised from `{SURVIVAL}` (per-head and union survival after 12 rounds, "
+          "keep-log metrics).\n\nThey are the *before* column of docs/remeasure.md, nothing else.\n")
+
+
+def _old(name: str) -> list[dict]:
+    with open(OLD / name, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _pick(rows, **match) -> dict:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    raise KeyError(f"no row with {match}")
+
+
+def table() -> list[str]:
+    from figures import tables as t
+
+    new = {
+        "head_pooling": t.read_csv("head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"),
+        "scatter": t.read_csv("scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"),
+        "blocks": t.read_csv("blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv"),
+        "passcode": t.read_csv("passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv"),
+        "prompt_protection": t.read_csv("prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv"),
+        "shared_draw": t.read_csv("shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv"),
+        "survival": _survival_summary(t.read_jsonl("survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl")),
+    }
+    old = {k: _old(f"{k}.summary.csv") for k in new}
+    acc_new = t.result_path("accuracy/smollm2-135m-copy-r16-n192-s0.jsonl").with_suffix(".table.csv")
+    with open(acc_new, newline="") as f:
+        new["accuracy"] = list(csv.DictReader(f))
+    old["accuracy"] = _old("accuracy.table.csv")
+
+    def cell(probe, field, digits=3, **match):
+        def one(rows):
+            try:
+                return t.f(_pick(rows, **match)[field], digits)
+            except KeyError:
+                return "–"
+        return one(old[probe]), one(new[probe])
+
+    def acc(method, column):
+        def one(rows):
+            try:
+                return _pick(rows, method=method)[column].split(" ")[0] or "–"
+            except KeyError:
+                return "–"
+        return one(old["accuracy"]), one(new["accuracy"])
+
+    rows = [
+        ("head pooling: Retrieval, fact in every head", *cell("head_pooling", "retrieval", condition="all"), "0.99 (8 heads)"),
+        ("head pooling: Retrieval, best single head (head 2)", *cell("head_pooling", "retrieval", condition="h2"), "0.03"),
+        ("head pooling: Recall R, fact left to Random", *cell("head_pooling", "recall", condition="policy"), "–"),
+        ("scatter: Recall R, scattered (mean of phases)", *cell("scatter", "recall", condition="scattered (mean of phases)"), "0.33"),
+        ("scatter: Recall R, intact (mean of pairs)", *cell("scatter", "recall", condition="intact (mean of pairs)"), "0.39"),
+        ("blocks: Δ next-token loss, block 1", *cell("blocks", "delta_nll", block="1"), "≈ 0 (T=1,024)"),
+        ("blocks: Δ next-token loss, block 256", *cell("blocks", "delta_nll", block="256"), "degrades"),
+        ("passcode: Retrieval, Random", *cell("passcode", "retrieval", policy="random"), "0.000"),
+        ("passcode: Retrieval, R-KV", *cell("passcode", "retrieval", policy="rkv"), "0.836"),
+        ("passcode: Retrieval, VaSE", *cell("passcode", "retrieval", policy="vase"), "0.344"),
+        ("passcode: mean LP, R-KV", *cell("passcode", "mean_lp", 2, policy="rkv"), "–"),
+        ("passcode: mean LP, VaSE", *cell("passcode", "mean_lp", 2, policy="vase"), "–"),
+        ("survival: Random per head after 12 rounds, protected", *cell("survival", "s_h12", policy="random", mode="protected"), "≈ 0.94^12 = 0.48 (T=1,024)"),
+        ("survival: R-KV per head after 12 rounds, protected", *cell("survival", "s_h12", policy="rkv", mode="protected"), "–"),
+        ("survival: Random slot coverage, protected", *cell("survival", "slot_coverage", policy="random", mode="protected"), ".999–1.000"),
+        ("prompt protection: Random gain", *cell("prompt_protection", "gain", policy="random"), "+0.42 (MATH500 accuracy)"),
+        ("prompt protection: SnapKV gain", *cell("prompt_protection", "gain", policy="snapkv"), "+0.13 (MATH500 accuracy)"),
+        ("shared draw: Δ loss, shared − per-head", *cell("shared_draw", "value", measure="delta_nll_vs_full", policy="shared - per-head"), "≈ 0"),
+        ("copy accuracy T=256 protected: Random", *acc("random", "copy K=256"), "–"),
+        ("copy accuracy T=256 protected: SnapKV", *acc("snapkv", "copy K=256"), "–"),
+        ("copy accuracy T=256 protected: recency", *acc("recency", "copy K=256"), "–"),
+        ("copy accuracy T=256 score only: Random", *acc("random", "copy K=256 score only"), "–"),
+        ("copy accuracy T=320 protected: Random", *acc("random", "copy K=320"), "–"),
+    ]
+    body = t.markdown(["headline number (embedded SmolLM2-135M unless the paper's)", f"before ({OLD_REVISION})",
+                       "paper's engine", "the paper (Qwen3-4B)"], [list(r) for r in rows])
+    return body + ["", f"*Before: `docs/data/old-engine/` (`python -m figures.before_after --snapshot`, from git revision "
+                       f"`{OLD_REVISION}`). After: the shipped results named in each probe's table in "
+                       "[probes.md](probes.md). The paper: `SPEC.md` §4.*"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--snapshot", action="store_true", help=f"copy the files of revision {OLD_REVISION} out of git")
+    args = p.parse_args(argv)
+    if args.snapshot:
+        snapshot()
+        print(f"wrote {OLD}")
+    else:
+        print("\n".join(table()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

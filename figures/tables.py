@@ -1,0 +1,301 @@
+"""The measured tables in ``docs/``, rendered from the shipped result files (no model is run).
+
+    python -m figures.tables            # rewrite every table block in docs/*.md from data/results/
+    python -m figures.tables --check    # exit 1 (naming the block) when a block differs from its results
+
+A doc marks a table as ``<!-- table: NAME -->`` ... ``<!-- /table -->``; everything between the markers is
+generated here, so a number in a table can only come from its result file. Each block ends with the file, the
+command that made it and the revision its rows were computed at. Results are read from ``data/results/`` under
+the current folder when there, else from the shipped copy (as ``python -m figures`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from randattn.analysis.shipped import shipped_result
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def result_path(rel: str) -> Path:
+    mine = Path("data") / "results" / rel
+    return mine if mine.exists() else shipped_result(rel)
+
+
+def read_csv(rel: str) -> list[dict]:
+    with open(result_path(rel), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_jsonl(rel: str) -> list[dict]:
+    with open(result_path(rel)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def num(value) -> Optional[float]:
+    if value in (None, ""):
+        return None
+    x = float(value)
+    return None if math.isnan(x) else x
+
+
+def f(value, digits: int = 3, signed: bool = False) -> str:
+    x = num(value)
+    if x is None:
+        return "–"
+    text = f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+    return text.replace("-", "−")
+
+
+def ci(row: dict, col: str, digits: int = 3, signed: bool = False) -> str:
+    """``value [lo, hi]`` from the columns ``col``, ``col_lo``, ``col_hi``."""
+    if num(row.get(col)) is None:
+        return "–"
+    lo, hi = row.get(f"{col}_lo"), row.get(f"{col}_hi")
+    if num(lo) is None:
+        return f(row[col], digits, signed)
+    return f"{f(row[col], digits, signed)} [{f(lo, digits, signed)}, {f(hi, digits, signed)}]"
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def provenance(rows_file: str) -> str:
+    """The revision and engine recorded in the rows (every probe row carries its configuration)."""
+    revs, engines, dates = set(), set(), set()
+    for r in read_jsonl(rows_file):
+        config = r.get("config") or {}
+        revs.add(str(config.get("revision", r.get("revision", "?"))))
+        engines.add(str(config.get("engine", "?")))
+        if config.get("date"):
+            dates.add(str(config["date"]))
+    when = f"measured {', '.join(sorted(dates))}, " if dates else ""
+    return f"{when}revision {', '.join(sorted(revs))}, engine {', '.join(sorted(engines))}"
+
+
+def footer(rel: str, command: str, rows_file: Optional[str] = None) -> str:
+    return f"*From `data/results/{rel}` (`{command}`; {provenance(rows_file or rel)}).*"
+
+
+# -- one function per table ------------------------------------------------------------------------
+HEAD_NAMES = {"deleted": "no head (deleted)", "all": "every head (kept everywhere)", "policy": "left to Random",
+              "full": "full cache (no eviction)"}
+
+
+def _condition(name: str) -> str:
+    if name in HEAD_NAMES:
+        return HEAD_NAMES[name]
+    if name.startswith("h"):
+        heads = name[1:]
+        return ("heads " if "+" in heads else "head ") + heads
+    return name
+
+
+PLANTED_COLUMNS = ["Retrieval [95% CI]", "Recall R [95% CI]", "R against the full cache", "mean LP"]
+
+
+def _planted_cells(r: dict) -> list[str]:
+    return [ci(r, "retrieval"), ci(r, "recall"), ci(r, "recall_full"), f(r["mean_lp"], 2)]
+
+
+def head_pooling() -> list[str]:
+    rel = "head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rows = read_csv(rel)
+    body = markdown(["fact kept in"] + PLANTED_COLUMNS, [[_condition(r["condition"])] + _planted_cells(r) for r in rows])
+    return body + ["", footer(rel, "python -m probes.head_pooling", rel.replace(".summary.csv", ".jsonl"))]
+
+
+def scatter() -> list[str]:
+    rel = "scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rows = read_csv(rel)
+    body = markdown(["condition", "Retrieval [95% CI]", "Recall R [95% CI]", "mean LP"],
+                    [[_condition(r["condition"]), ci(r, "retrieval"), ci(r, "recall"), f(r["mean_lp"], 2)]
+                     for r in rows])
+    return body + ["", footer(rel, "python -m probes.scatter", rel.replace(".summary.csv", ".jsonl"))]
+
+
+def two_facts() -> list[str]:
+    rel = "two_facts/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rows = read_csv(rel)
+    single = [r for r in rows if r["answer"] in ("x", "y") and "+" not in r["condition"]]
+    body = markdown(["answer", "condition", "Retrieval [95% CI]", "Recall R [95% CI]"],
+                    [[r["answer"], _condition(r["condition"]), ci(r, "retrieval"), ci(r, "recall")] for r in single])
+    pairs = [r for r in rows if r["answer"] == "x and y" and " - " in r["condition"]]
+    body += ["", "Superadditivity of both answers together, `R_xy(x@a+y@b) − R_xy(x@a) − R_xy(y@b)`:", ""]
+    body += markdown(["pair", "difference [95% CI]"], [[r["condition"], ci(r, "recall", signed=True)] for r in pairs])
+    return body + ["", footer(rel, "python -m probes.two_facts", rel.replace(".summary.csv", ".jsonl"))]
+
+
+def blocks() -> list[str]:
+    rel = "blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv"
+    rows = read_csv(rel)
+    body = markdown(["block", "blocks per head", "Δ next-token loss vs full [95% CI]", "Recall R of a fact left to it",
+                     "Retrieval"],
+                    [[r["block"], f(r["blocks_per_head"], 0), ci(r, "delta_nll"), ci(r, "recall"), ci(r, "retrieval")]
+                     for r in rows])
+    return body + ["", footer(rel, "python -m probes.blocks",
+                              "blocks/smollm2-135m-random-block-block1-K256-r16-d384-s0-score-only.jsonl")]
+
+
+def shared_draw() -> list[str]:
+    rel = "shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv"
+    rows = read_csv(rel)
+    body = markdown(["measure", "policy", "n", "value [95% CI]"],
+                    [[r["measure"], r["policy"], r["n"], ci(r, "value", signed=" - " in r["policy"])] for r in rows])
+    return body + ["", footer(rel, "python -m probes.shared_draw",
+                              "shared_draw/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl")]
+
+
+def passcode() -> list[str]:
+    rel = "passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv"
+    rows = read_csv(rel)
+    body = markdown(["policy", "Retrieval [95% CI]", "mean LP [95% CI]", "LP vs Random [95% CI]"],
+                    [[r["policy"], ci(r, "retrieval"), ci(r, "mean_lp", 2), ci(r, "lp_vs_random", 2, signed=True)]
+                     for r in rows])
+    return body + ["", footer(rel, "python -m probes.passcode",
+                              "passcode/smollm2-135m-random-K256-r16-d917-s0-protected.jsonl")]
+
+
+def prompt_protection() -> list[str]:
+    rel = "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv"
+    rows = read_csv(rel)
+    body = markdown(["policy", "digits recalled, score only", "protected", "gain [95% CI]", "LP gain [95% CI]"],
+                    [[r["policy"], f(r["digit_acc_score_only"]), f(r["digit_acc_protected"]),
+                      ci(r, "gain", signed=True), ci(r, "lp_gain", 2, signed=True)] for r in rows])
+    return body + ["", footer(rel, "python -m probes.prompt_protection", rel.replace(".summary.csv", ".jsonl"))]
+
+
+def survival() -> list[str]:
+    from randattn.analysis.survival import mean_deficit, pool
+
+    rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
+    pooled = pool(read_jsonl(rel))
+    out = []
+    for p in pooled.values():
+        m, c = p.metrics, p.by_rounds
+        i = 12 - 1  # bin i holds what has been through i + 1 rounds
+        at12 = (f(c.head[i]), f(c.union[i])) if len(c.total) > i and c.total[i] else ("–", "–")
+        out.append([f"`{p.policy}`", p.mode, f(m["slot_coverage"]), f"{f(m['prompt_union'])} / {f(m['prompt_head'])}",
+                    f(m["jaccard"], 2), f(m["entropy"], 2), *at12, f(mean_deficit(c), 3, signed=True)])
+    body = markdown(["policy", "mode", "slot coverage", "prompt survival union / per head", "Jaccard", "entropy",
+                     "s_h(12)", "s_U(12)", "deficit"], out)
+    return body + ["", footer(rel, "python -m probes.survival")]
+
+
+def survival_random() -> list[str]:
+    from randattn.analysis.survival import pool
+
+    rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
+    pooled = pool(read_jsonl(rel))
+    out = []
+    for mode in ("protected", "score-only"):
+        p = pooled.get(("random", mode))
+        if p is None:
+            continue
+        c, (head, union) = p.by_rounds, p.analytic_rounds
+        ns = [n for n in (1, 2, 4, 8, 12, 16, 20, 24) if n <= len(c.total) and c.total[n - 1]]  # bin n - 1: n rounds
+        out.append((mode, ns, [f(c.head[n - 1], 4) for n in ns], [f(head[n - 1], 4) for n in ns],
+                    [f(c.union[n - 1], 4) for n in ns], [f(union[n - 1], 4) for n in ns]))
+    body = []
+    for mode, ns, mh, ah, mu, au in out:
+        body += [f"Random, {mode}:", ""]
+        body += markdown(["n rounds"] + [str(n) for n in ns],
+                         [["per head, measured"] + mh, ["per head, analytic"] + ah,
+                          ["union, measured"] + mu, ["union, analytic"] + au])
+        body.append("")
+    return body + [footer(rel, "python -m probes.survival")]
+
+
+def accuracy() -> list[str]:
+    rel = "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl"
+    table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
+    protocols = sorted({str(r.get("protocol")) for r in read_jsonl(rel)})
+    return table + ["", f"Protocols in the file: {', '.join(protocols)}. " + footer(rel, "python -m probes.accuracy")]
+
+
+def challenge() -> list[str]:
+    folder = "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick"
+    rows = read_csv(f"{folder}/verdict.csv")
+    body = markdown(["test", "metric", "n", "selector", "Random", "difference [95% CI]", "p (bootstrap)", "verdict"],
+                    [[r["test"], r["metric"], r["n"], f(r["value"]), f(r["random"]), ci(r, "delta", signed=True),
+                      r["p_bootstrap"], r["verdict"]] for r in rows])
+    return body + [
+        "", footer(f"{folder}/verdict.csv",
+                   "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick",
+                   f"{folder}/{sorted(result_path(folder).glob('*.jsonl'))[0].name}")]  # the accuracy part's rows
+
+
+def autopsy() -> list[str]:
+    out, sources = [], []
+    for task in ("copy", "recall"):
+        rel = f"autopsy/summary-smollm2-135m-{task}-K256-r16-s0.csv"
+        if not result_path(rel).exists():
+            continue
+        sources.append((task, rel))
+        for r in read_csv(rel):
+            out.append([task, r["policy"], r["problems"], r["diverged"], r["restored"],
+                        f"{r['sufficient_prompt']} / {r['sufficient_recent']} / {r['sufficient_middle']}",
+                        f"{r['necessary_prompt']} / {r['necessary_recent']} / {r['necessary_middle']}",
+                        f(r["mean_grade_full"]), f(r["mean_grade_evicted"])])
+    body = markdown(["task", "policy", "problems", "diverged", "restored by a pin",
+                     "sufficient span in prompt / recent / middle", "necessary span in prompt / recent / middle",
+                     "grade, full", "grade, evicted"], out)
+    return body + [""] + [footer(rel, f"python -m probes.autopsy --task {task} --policy random snapkv --max-replays 8",
+                                 f"autopsy/smollm2-135m-{task}-random-protected-K256-r16-s0.jsonl")
+                          for task, rel in sources]
+
+
+def before_after() -> list[str]:
+    from figures.before_after import table
+
+    return table()
+
+
+TABLES: dict[str, Callable[[], list[str]]] = {
+    "head_pooling": head_pooling, "scatter": scatter, "two_facts": two_facts, "blocks": blocks,
+    "shared_draw": shared_draw, "passcode": passcode, "prompt_protection": prompt_protection, "survival": survival,
+    "survival_random": survival_random, "accuracy": accuracy, "challenge": challenge, "before_after": before_after,
+    "autopsy": autopsy,
+}
+
+
+def render(text: str, where: str) -> str:
+    def block(m: re.Match) -> str:
+        name = m["name"]
+        if name not in TABLES:
+            raise SystemExit(f"{where}: unknown table {name!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + "\n".join(TABLES[name]()) + "\n" + m.group(4)
+
+    return BLOCK.sub(block, text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 naming every stale doc")
+    p.add_argument("--docs", default=str(DOCS), help="folder of the markdown docs (default: the checkout's docs/)")
+    args = p.parse_args(argv)
+    stale = []
+    for path in sorted(Path(args.docs).glob("*.md")):
+        old = path.read_text()
+        new = render(old, str(path))
+        if new != old:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    for path in stale:
+        print(f"{path}: {'stale, run python -m figures.tables' if args.check else 'tables rewritten'}")
+    return 1 if args.check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
