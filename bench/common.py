@@ -29,7 +29,7 @@ def bench_parser(doc: str, *, new_tokens: int = 4096, budget: int = 1024, buffer
     p.add_argument("--new-tokens", type=positive_int, default=new_tokens, help="tokens generated per sequence")
     p.add_argument("--budget", type=positive_int, default=budget, help="T: pairs each KV head holds right after a round, the newest r among them")
     p.add_argument("--buffer", type=positive_int, default=buffer, help="r: new pairs between rounds")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
 
@@ -60,11 +60,22 @@ def policy_options(p: argparse.ArgumentParser, args, policies, model=None) -> di
     return opts
 
 
-def setup(args):
+def load(p: "argparse.ArgumentParser | None", args):
+    """The model and tokenizer of ``--model`` on ``--device``; a missing model or device is a usage error naming
+    the flag (with ``p``), not a traceback."""
+    try:
+        return randattn.load_model(args.model, device=args.device)
+    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:
+        if p is None:
+            raise
+        p.error(f"{'--device' if 'device' in str(exc).lower() else '--model'}: {exc}")
+
+
+def setup(args, p: "argparse.ArgumentParser | None" = None):
     """Threads, then the model and the chat-templated benchmark prompt ``[1, P]`` on the model's device."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = randattn.load_model(args.model, device=args.device)
+    model, tok = load(p, args)
     msgs = [{"role": "user", "content": PROMPT}]
     prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     prompt = prompt.to(model.device)
@@ -89,7 +100,7 @@ def prepare(p: argparse.ArgumentParser, argv):
     Returns ``(args, options, model, prompt)``."""
     args = p.parse_args(argv)
     check_policies(p, "--policies", args.policies)
-    model, _, prompt = setup(args)
+    model, _, prompt = setup(args, p)
     options = policy_options(p, args, args.policies, model)
     check_rounds_run(p, args, prompt.shape[1])
     return args, options, model, prompt

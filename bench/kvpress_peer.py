@@ -227,7 +227,7 @@ def main(argv=None) -> int:
             python, versions = peer_environment(args)  # before any timing: a broken environment fails fast
         except PeerEnvError as exc:
             p.exit(1, f"{p.prog}: error: {exc}\n")
-    model, _, prompt = setup(args)
+    model, _, prompt = setup(args, p)
     check_rounds_run(p, args, prompt.shape[1])
     with torch.no_grad():
         ours_top = model(prompt).logits[0, -1].float().cpu()

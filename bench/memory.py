@@ -19,6 +19,8 @@ import resource
 import subprocess
 import sys
 
+import randattn
+
 from bench.common import (REPO_ROOT, add_stats_flag, bench_parser, check_policies, check_rounds_run, meta,
                           policy_options, positive_int, run_arms, setup, write_results)
 
@@ -32,7 +34,7 @@ def peak_rss_bytes() -> int:
 def run_arm(p, args) -> int:
     """The child: one generation under ``args.arm``; prints its row after MARK."""
     policy = None if args.arm == "full" else args.arm
-    model, _, prompt = setup(args)
+    model, _, prompt = setup(args, p)
     options = policy_options(p, args, [args.arm], model)
     check_rounds_run(p, args, prompt.shape[1])
     before = peak_rss_bytes()
@@ -66,6 +68,10 @@ def main(argv=None) -> int:
         return run_arm(p, args)
     check_policies(p, "--policies", args.policies)
     policy_options(p, args, args.policies)  # a bad --stats file stops here; each child binds to the model
+    try:
+        randattn.resolve_device(args.device)  # before any child starts: each would fail the same way
+    except ValueError as exc:
+        p.error(f"--device: {exc}")
 
     rows, info = [], None
     for arm in ["full", *args.policies]:

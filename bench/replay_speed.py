@@ -25,6 +25,7 @@ import randattn
 from bench.common import (
     REPO_ROOT,
     add_stats_flag,
+    load,
     bench_parser,
     check_policies,
     meta,
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     check_policies(p, "--policies", args.policies)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = randattn.load_model(args.model, device=args.device)
+    model, tok = load(p, args)
     options = policy_options(p, args, args.policies, model)
     try:
         ids, prompt_len = trace_batch(tok, args.traces, batch=args.batch, new_tokens=args.new_tokens,

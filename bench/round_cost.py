@@ -22,7 +22,7 @@ import torch
 
 import randattn
 
-from probes.common import positive_int
+from probes.common import positive_int, result_file, seed_int
 
 # (label, H_kv, H_q, head_dim, K, r)
 SHAPES = [
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=30)
     p.add_argument("--warmup", type=positive_int, default=3)
     p.add_argument("--prompt", type=positive_int, default=64, help="protected prompt length")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="data/results/bench/round_cost.json")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--out", type=result_file, default="data/results/bench/round_cost.json")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,6 +96,10 @@ def main(argv=None) -> int:
         p.error(f"--policies: unknown {unknown}; choose from {', '.join(randattn.known_policies())}")
     if "random" not in policies:
         policies = ["random", *policies]
+    fits = min(k - r - 1 for *_, k, r in SHAPES)  # the protected prompt plus one free slot beside the recent window
+    if args.prompt > fits:
+        p.error(f"--prompt: {args.prompt} protected tokens do not fit the smallest budget measured "
+                f"({', '.join(f'{s[0]}: T={s[4]}, r={s[5]}' for s in SHAPES)}); use --prompt <= {fits}")
 
     rows = []
     torch.manual_seed(args.seed)

@@ -82,6 +82,12 @@ def main(argv=None) -> int:
     p.add_argument("--problems", default=None, help="accuracy: comma-separated problem ids to show (default: all)")
     p.add_argument("--runs", type=int, default=None, help="accuracy: the first N runs of each problem (default: all)")
     args = p.parse_args(argv)
+    if args.runs is not None and args.runs <= 0:
+        p.error(f"--runs: must be a positive integer, got {args.runs}")
+    if args.out is not None:
+        for parent in (Path(args.out), *Path(args.out).parents):
+            if parent.exists() and not parent.is_dir():
+                p.error(f"--out: {parent} is a file, not a folder; give the folder the figures go into")
     options = {}
     if args.problems or args.runs:
         if args.probe != ["accuracy"]:

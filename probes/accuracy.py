@@ -51,7 +51,8 @@ from randattn.stats import comparison_table
 from . import cli
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
 from .planted_run import load, write_csv
-from .policy_specs import bind_policies, calibration_options, check_policy, native_protection, seed_free
+from .policy_specs import (bind_policies, calibration_options, check_policy, check_stats_used, native_protection,
+                           seed_free)
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
@@ -116,6 +117,10 @@ class Config(RunConfig):
                                           "them")
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_p not in (None, 1.0) and (self.temperature == 0 or (self.temperature is None and self.protocol != "grid")):
+            raise ConfigError("top_p", "applies only when sampling; greedy decoding (--temperature 0, the default "
+                                       "here) ignores it: pass --temperature T > 0 too, or drop --top-p")
+        check_stats_used(self.stats, self.policy)
 
     def resolved(self, model=None) -> "Config":
         """The task's and the protocol's defaults filled in (runs, r, length, sampling, protocol, policy options)."""

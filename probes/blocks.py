@@ -89,6 +89,8 @@ class Config(PlantedConfig):
 
     def check(self) -> None:
         super().check()
+        if self.skip_nll and self.skip_planted:
+            raise ConfigError("skip_nll", "--skip-nll --skip-planted together leave nothing to run; drop one of them")
         if self.length <= self.budget + self.buffer:
             raise ConfigError("length", f"{self.length} must exceed T + r = {self.budget + self.buffer} so that rounds "
                                         "run")

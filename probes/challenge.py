@@ -40,7 +40,7 @@ from .challenge_parts import PARTS, REFERENCE, Context, preflight
 from .common import policy_slug
 from .config import POSITIVE, ConfigError, RunConfig, option
 from .planted_run import load, write_csv
-from .policy_specs import check_policy
+from .policy_specs import check_policy, check_stats_used
 from .results import NotOurFile, OutputFolder, git_revision
 from .tasks import TASKS
 
@@ -104,6 +104,7 @@ class Config(RunConfig):
             check_policy("baselines", spec)
         if not self.parts:
             raise ConfigError("only", "--only/--skip leave no part to run")
+        check_stats_used(self.stats, (self.policy, *self.baselines))
 
     @property
     def parts(self) -> list[str]:

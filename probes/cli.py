@@ -6,6 +6,7 @@ from the rows it just wrote, so figures stay a layer that only plots.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,12 @@ def draw(figure: str, results: "str | Path", figure_dir: "str | Path | None", *e
     if figure_dir is not None:
         cmd += ["--out", str(figure_dir)]
     cmd += list(extra)
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # The figures package beside this probes package, not whichever one the environment happens to import first
+    # (an editable install of another checkout would draw with other code, into its own folder).
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         print(f"figure {figure}: not drawn ({(done.stderr.strip().splitlines() or ['?'])[-1]})", file=sys.stderr)
         return []

@@ -25,10 +25,11 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 __all__ = ["ConfigError", "Config", "RunConfig", "option", "parse", "parser_for", "POSITIVE", "NONNEGATIVE",
-           "FINITE", "PROBABILITY", "flag_of"]
+           "FINITE", "PROBABILITY", "SEED", "flag_of"]
 
 
 class ConfigError(ValueError):
@@ -70,6 +71,14 @@ def FINITE(value) -> Optional[str]:
     return None
 
 
+def SEED(value) -> Optional[str]:
+    if not _number(value) or not value >= 0:
+        return NONNEGATIVE(value)
+    if value >= 2**64:
+        return f"must be below 2**64, got {value!r} (seeds are mixed as 64 bits); pass a seed in range"
+    return None
+
+
 def PROBABILITY(value) -> Optional[str]:
     if not _number(value) or not 0 <= value <= 1:
         return f"must be a number in [0, 1], got {value!r}"
@@ -106,6 +115,10 @@ class Config:
                 for v in values:
                     if isinstance(v, bool) or not isinstance(v, int):
                         raise ConfigError(f.name, f"must be an integer, got {v!r}")
+            if isinstance(value, (tuple, list)):
+                twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+                if twice is not None:
+                    raise ConfigError(f.name, f"lists {twice!r} twice; list each value once")
             for v in values:
                 if choices is not None and v not in choices:
                     raise ConfigError(f.name, f"must be one of {', '.join(map(str, choices))}, got {v!r}")
@@ -135,11 +148,19 @@ class RunConfig(Config):
 
     model: Optional[str] = option(None, "HF hub id or local directory; default: embedded SmolLM2-135M-Instruct")
     device: str = option("auto", "'auto' (CUDA when present), 'cpu' or 'cuda[:N]'")
-    seed: int = option(0, "seed of the eviction draws (per seed, layer, round)", check=NONNEGATIVE)
+    seed: int = option(0, "seed of the eviction draws (per seed, layer, round)", check=SEED)
     out: Optional[str] = option(None, "where results go (default: data/results/<probe>/ under the current folder)")
     restart: bool = option(False, "discard earlier results of this configuration (only files randattn wrote)")
     no_figure: bool = option(False, "do not draw the figure")
     figure_dir: Optional[str] = option(None, "where the figure goes (default: figures/ under the current folder)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.figure_dir is not None and not self.no_figure:
+            for p in (Path(self.figure_dir), *Path(self.figure_dir).parents):
+                if p.exists() and not p.is_dir():
+                    raise ConfigError("figure_dir", f"{p} is a file, not a folder; give a folder for the figure, or "
+                                                    "--no-figure")
 
 
 # -- the command line ------------------------------------------------------------------------------

@@ -50,6 +50,32 @@ class Config(RunConfig):
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
         check_policy("policy", self.policy)
+        if self.out is not None:
+            check_demo_out(Path(self.out))
+
+
+def check_demo_out(out: Path) -> None:
+    """``--out``'s two files (``.json``, ``.npz``) may replace only what an earlier demo wrote there."""
+    for p in out.parents:
+        if p.exists() and not p.is_dir():
+            raise ConfigError("out", f"{p} is a file, so {out} cannot be written; give a path in a folder")
+    stats, log = out.with_suffix(".json"), out.with_suffix(".npz")
+    for p in (stats, log):
+        if p.is_dir():
+            raise ConfigError("out", f"{p} is a folder; give --out a path without suffix whose .json and .npz are free")
+    ours = False
+    if stats.exists():
+        try:
+            obj = json.loads(stats.read_text())
+            ours = isinstance(obj, dict) and {"text", "events_per_layer", "budget"} <= set(obj)
+        except (ValueError, UnicodeDecodeError):
+            pass
+        if not ours:
+            raise ConfigError("out", f"{stats} exists and is not a demo result randattn wrote; nothing was changed. "
+                                     "Give --out another path")
+    if log.exists() and not ours:
+        raise ConfigError("out", f"{log} exists beside no demo result of randattn; nothing was changed. Give --out "
+                                 "another path")
 
 
 def main(argv=None) -> int:
@@ -58,6 +84,12 @@ def main(argv=None) -> int:
 
 def run(config: Config, model=None, tokenizer=None) -> int:
     args = config
+    if args.out:
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("out", f"cannot create {Path(args.out).parent} ({exc.strerror or exc}); give a path you "
+                                     "can write to") from None
     model, tok = load(config, None if model is None else (model, tokenizer))
     n_layers = model.config.num_hidden_layers
     bad = [layer for layer in config.layers if not -n_layers <= layer < n_layers]
@@ -113,7 +145,6 @@ def run(config: Config, model=None, tokenizer=None) -> int:
         frac = torch.isin(all_pos, torch.arange(lo, hi)).sum().item() / (all_pos.shape[0] * all_pos.shape[1] * (hi - lo))
         print(f"  {lo:5d}-{hi - 1:<5d} {frac:6.3f} {'#' * round(40 * frac)}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         cache.keep_log.save(Path(args.out).with_suffix(".npz"))
         Path(args.out).with_suffix(".json").write_text(json.dumps({"text": text, **cache.stats()}, indent=1))
         print(f"\nwrote {Path(args.out).with_suffix('.json')} and the keep-log {Path(args.out).with_suffix('.npz')}")

@@ -140,11 +140,15 @@ def main(argv=None) -> int:
     p = grid_parser()
     args = p.parse_args(argv)
     check_flags(p, args)
+    out = Path(args.out) if args.out else Path("data/results/grid") / Path(args.spec).stem
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            p.error(f"--out: {parent} is a file, not a folder; --out names the grid's directory (items and merged "
+                    "results go under it)")
     try:
         spec, plan = make_plan(args.spec)
     except SpecError as exc:
         p.error(f"{args.spec}: {exc}")
-    out = Path(args.out) if args.out else Path("data/results/grid") / Path(args.spec).stem
     store = ItemStore(out)
     items = plan.items
     done = store.done() & set(items)

@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import socket
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,7 +49,32 @@ class ItemStore:
         return self.dir / item_id[:2] / f"{item_id}.json"
 
     def done(self) -> set[str]:
-        return {p.stem for p in self.dir.glob("*/*.json")}
+        """Ids of the items on disk. A damaged item file (cut short, not JSON, not an item record) counts as not done:
+        it is moved aside to ``<id>.json.damaged[-N]`` (never deleted) with a message naming it, and recomputed."""
+        ids = set()
+        for p in sorted(self.dir.glob("*/*.json")):
+            problem = self._problem(p)
+            if problem is None:
+                ids.add(p.stem)
+                continue
+            aside, n = p.with_name(p.name + ".damaged"), 1
+            while aside.exists():
+                n += 1
+                aside = p.with_name(f"{p.name}.damaged-{n}")
+            p.rename(aside)
+            print(f"grid: item file {p} is damaged ({problem}); moved aside to {aside.name}, the item will be "
+                  "recomputed", file=sys.stderr)
+        return ids
+
+    @staticmethod
+    def _problem(path: Path) -> Optional[str]:
+        try:
+            record = json.loads(path.read_text())
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            return f"{type(exc).__name__}: {str(exc)[:80]}"
+        if not isinstance(record, dict) or record.get("id") != path.stem or not isinstance(record.get("rows"), list):
+            return "not an item record with its id and rows"
+        return None
 
     def write(self, item_id: str, record: dict) -> bool:
         """Write one item unless it is already there; False when it was."""
@@ -211,10 +237,15 @@ class RayBackend:
         import ray
         from ray.exceptions import RayActorError
 
+        try:  # Ray >= 2.10: a call in flight when the actor's process or node went away, while it restarts
+            from ray.exceptions import ActorUnavailableError
+        except ImportError:  # pragma: no cover
+            ActorUnavailableError = ()
+
         actor = ray.remote(Worker).options(num_cpus=self.cpus, num_gpus=self.gpus, max_restarts=self.retries,
                                            max_task_retries=self.retries)
         actors = [actor.remote(**self.worker) for _ in range(min(self.workers, len(units)))]
-        queue, running = deque(units), {}
+        queue, running, tries = deque(units), {}, {}
 
         def submit(a):
             if queue:
@@ -229,6 +260,20 @@ class RayBackend:
                 a, unit = running.pop(ref)
                 try:
                     result = ray.get(ref)
+                except ActorUnavailableError as exc:
+                    # The actor is being restarted (its node was lost): hand it the same unit again, up to --retries
+                    # times (a unit is idempotent: its items are written once, by this driver).
+                    tries[unit.id] = tries.get(unit.id, 0) + 1
+                    if tries[unit.id] <= self.retries:
+                        running[a.run.remote(unit)] = (a, unit)
+                        continue
+                    failed(unit, f"worker unavailable after {self.retries} retries ({type(exc).__name__})")
+                    actors.remove(a)
+                    if not actors:
+                        for u in queue:
+                            failed(u, "not run: every worker died")
+                        queue.clear()
+                    continue
                 except RayActorError as exc:  # the worker died and its restarts are used up: drop it
                     failed(unit, f"worker died ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
                     actors.remove(a)

@@ -192,6 +192,9 @@ def read_spec(path: "str | Path") -> Spec:
         spec.max_new_tokens = _one(raw, "max_new_tokens", int, int_pos, None, _positive)
         spec.temperature = _one(raw, "temperature", (int, float), "a number >= 0 (0 = greedy)", 0.0, lambda v: v >= 0)
         spec.top_p = _one(raw, "top_p", (int, float), "a number in (0, 1]", 1.0, lambda v: 0 < v <= 1)
+        if spec.top_p != 1.0 and spec.temperature == 0:
+            raise SpecError("top_p: applies only when sampling; with temperature = 0 (greedy) it is ignored: set "
+                            "temperature > 0 too, or drop top_p")
     else:
         spec.rounds = _list(raw, "rounds", int, int_pos, [57], _positive)
         spec.instances = _one(raw, "instances", int, int_pos, 16, _positive)

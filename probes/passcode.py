@@ -28,7 +28,7 @@ from . import cli
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
 from .planted_run import PAPER, PlantedConfig, describe, run_conditions, setup, write_csv
-from .policy_specs import check_policy
+from .policy_specs import bind_policies, calibration_options, check_policy
 from .results import protection_tag
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
@@ -50,6 +50,7 @@ class Config(PlantedConfig):
     box_width: int = option(20, "tokens of the passcode sentence box", check=POSITIVE)
     protect_prompt: bool = option(True, "protect the stub prompt (as the paper's methods); --no-protect-prompt lets "
                                         "it be evicted too")
+    distance: int = option(384, "set from --rounds, --buffer and --box-width", cli=False)
     policy: str = option("random", "set per policy from --policies", cli=False)
     policies: tuple[str, ...] = option(randattn.COMPARED_POLICIES, "policies compared (all evict the passcode too)")
     rounds: int = option(57, "eviction rounds between statement and answer", check=POSITIVE)
@@ -77,7 +78,8 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
     rows_by_policy, sessions = {}, {}
     for policy in config.policies:
         s = setup("passcode", config.replace(policy=policy), loaded=loaded, extra_config={"rounds": config.rounds},
-                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False})
+                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False},
+                  pins_boxes=policy == "random" and config.references)  # only the "kept" reference pins the box
         if loaded is None:
             print(describe(s).replace(f"distance {config.distance}", f"{config.rounds} rounds"))
             fits = len(s.builder.stub) * config.protect_prompt + config.box_width + 1
@@ -85,6 +87,9 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
                 raise ConfigError("budget", f"T={config.budget} cannot hold the passcode box ({config.box_width}) "
                                             f"pinned beside the protected stub prompt ({len(s.builder.stub)}) and the "
                                             f"recent window of r={config.buffer}; use --budget >= {fits + config.buffer}")
+            # Every policy binds to the model before the first one runs (TriAttention without statistics for it
+            # stops the run here, not after the other policies have been computed).
+            bind_policies("policies", config.policies, s.model, lambda p: calibration_options(p, config.stats))
         loaded = (s.model, s.tok)
         sessions[policy] = s
         rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")

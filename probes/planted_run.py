@@ -24,7 +24,7 @@ from randattn.traces import load_traces
 
 from .common import policy_slug
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
-from .policy_specs import calibration_options, check_policy
+from .policy_specs import calibration_options, check_policy, check_stats_used
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 
@@ -64,6 +64,9 @@ class PlantedConfig(RunConfig):
         if self.buffer >= self.budget:
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
         check_policy("policy", self.policy)
+        for spec in getattr(self, "policies", ()):
+            check_policy("policies", spec)
+        check_stats_used(self.stats, getattr(self, "policies", None) or (self.policy,))
 
 
 @dataclass
@@ -107,9 +110,10 @@ def load(config: RunConfig, loaded=None):
 
 def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: Optional[dict] = None,
           policy_options: Optional[dict] = None, loaded=None, out: Optional[Path] = None,
-          builder_texts: Optional[dict] = None) -> Session:
+          builder_texts: Optional[dict] = None, pins_boxes: bool = True) -> Session:
     """Check the configuration against the traces and the model (unless ``loaded=(model, tokenizer)``), open (or
-    resume) the results file (``out``, else ``<--out or data/results/<probe>>/<config slug>.jsonl``). Problems are
+    resume) the results file (``out``, else ``<--out or data/results/<probe>>/<config slug>.jsonl``). ``pins_boxes``: the
+    run's conditions pin fact boxes, which must then fit beside the protected prompt. Problems are
     :class:`ConfigError` naming the field to change."""
     policy_options = {**calibration_options(config.policy, config.stats), **(policy_options or {})}
     calibration = randattn.make_policy(config.policy).calibration  # a file path: not part of the configuration
@@ -124,12 +128,23 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
         builder = InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
                                   box_width=config.box_width, n_facts=n_facts, seed=config.seed, **(builder_texts or {}))
         randattn.EvictingCache(config.policy, budget=config.budget, buffer=config.buffer, **policy_options).bind(model)
+    except FileNotFoundError as exc:  # a --stats file that is not there
+        raise ConfigError("stats", str(exc)) from None
     except ValueError as exc:
         raise ConfigError("budget" if "budget" in str(exc) else "box_width" if "box" in str(exc) else "policy",
                           str(exc)) from None
     if config.protect_prompt and len(builder.stub) + 1 > config.budget - config.buffer:
         raise ConfigError("budget", f"T={config.budget} cannot hold the {len(builder.stub)}-token protected stub "
                                     f"prompt beside the recent window of r={config.buffer}")
+    # Conditions pin fact boxes (kept in some heads) beside the protected prompt: all must fit the T - r selected
+    # (``pins_boxes=False``: this run's conditions pin no box).
+    pinned = len(builder.stub) * config.protect_prompt + n_facts * config.box_width
+    if pins_boxes and pinned + 1 > config.budget - config.buffer:
+        raise ConfigError("budget", f"T={config.budget} cannot hold {n_facts} pinned fact box(es) of {config.box_width}"
+                                    + (f" beside the {len(builder.stub)}-token protected stub prompt" if
+                                       config.protect_prompt else "")
+                                    + f" and the recent window of r={config.buffer}; use --budget >= "
+                                      f"{pinned + 1 + config.buffer}")
     per_instance = builder.length - len(builder.stub)
     if builder.stream.size < per_instance:
         raise ConfigError("traces", f"{traces} holds {builder.stream.size} tokens; one instance needs {per_instance}")

@@ -12,7 +12,7 @@ import randattn
 
 from .config import ConfigError
 
-__all__ = ["check_policy", "calibration_options", "bind_policies", "seed_free", "native_protection"]
+__all__ = ["check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection"]
 
 
 def check_policy(field: str, spec: str, *, extra=()) -> None:
@@ -28,6 +28,16 @@ def check_policy(field: str, spec: str, *, extra=()) -> None:
         randattn.load_policy(spec)
     except (ValueError, TypeError) as exc:
         raise ConfigError(field, str(exc)) from None
+
+
+def check_stats_used(stats, specs, field: str = "stats") -> None:
+    """A ``--stats`` file that no policy of the run would read is refused (it would be silently ignored)."""
+    if stats is None:
+        return
+    specs = [s for s in specs if s not in ("full", None)]
+    if not any(randattn.make_policy(s).calibration for s in specs):
+        raise ConfigError(field, f"no policy of this run reads calibration statistics ({', '.join(specs) or 'none'}); "
+                                 "drop --stats, or run a policy that uses them (e.g. triattention)")
 
 
 def calibration_options(spec: str, stats) -> dict:

@@ -151,6 +151,14 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     if len(tasks) < config.instances:
         raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
                                        f"{len(tasks)} or more traces")
+    if config.body >= len(tasks.stream):
+        raise ConfigError("body", f"{config.body} tokens: the traces hold only {len(tasks.stream)}; use a smaller --body "
+                                  "or longer --traces")
+    longest = tasks.prompt_len + config.body + max(len(tasks.restate[i]) for i in tasks.pool)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and longest > limit:
+        raise ConfigError("body", f"{config.body} makes instances of {longest} tokens, past the model's "
+                                  f"max_position_embeddings={limit}; use --body <= {config.body - (longest - limit)}")
     if config.budget < tasks.prompt_len + 1 + config.buffer:
         raise ConfigError("budget", f"T={config.budget} cannot hold the {tasks.prompt_len}-token protected prompt plus "
                                     f"one slot beside the recent window of r={config.buffer}")

@@ -237,13 +237,24 @@ def _hashable(value):
 
 
 def _check_writable(path: Path) -> None:
-    """Refuse before any compute a results path nobody can write (the nearest existing folder above it)."""
+    """Refuse before any compute a results path nobody can write: its folder is created and a scratch file made and
+    removed in it (permission bits alone say nothing for root, a read-only mount or /proc)."""
+    import tempfile
+
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PermissionError(f"{path}: {parent if not path.exists() else path} is not writable; give --out a folder "
                               "you can write to")
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path.parent, prefix=".randattn-write-check-"):
+                pass
+        except OSError as exc:
+            raise PermissionError(f"{path}: cannot write in {path.parent} ({exc.strerror or exc}); give --out a folder "
+                                  "you can write to") from None
 
 
 def check_ours(path: "str | os.PathLike", key_fields: tuple[str, ...]) -> None:

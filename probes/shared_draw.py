@@ -53,6 +53,8 @@ class Config(PlantedConfig):
 
     def check(self) -> None:
         super().check()
+        if self.skip_nll and self.skip_planted and self.skip_passcode:
+            raise ConfigError("skip_nll", "--skip-nll --skip-planted --skip-passcode together leave nothing to run; drop one of them")
         if self.length <= self.budget + self.buffer:
             raise ConfigError("length", f"{self.length} must exceed T + r = {self.budget + self.buffer} so that rounds "
                                         "run")

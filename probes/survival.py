@@ -37,7 +37,7 @@ from randattn.traces import load_traces
 from . import cli
 from .config import POSITIVE, ConfigError, RunConfig, option
 from .planted_run import load
-from .policy_specs import bind_policies, calibration_options, check_policy, native_protection
+from .policy_specs import bind_policies, calibration_options, check_policy, check_stats_used, native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 PAPER = {"budget": 1024, "buffer": 64}
@@ -77,7 +77,7 @@ class Config(RunConfig):
     def __post_init__(self) -> None:
         if self.paper:
             self.budget, self.buffer = PAPER["budget"], PAPER["buffer"]
-        self.age_bin = self.age_bin or self.buffer
+        self.age_bin = self.buffer if self.age_bin is None else self.age_bin
         if self.policies is None:
             self.policies = tuple(randattn.known_policies())
         self.modes = tuple(dict.fromkeys(self.modes))
@@ -88,6 +88,7 @@ class Config(RunConfig):
             raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
         for spec in self.policies:
             check_policy("policies", spec)
+        check_stats_used(self.stats, self.policies)
         if self.stats is not None:
             try:
                 randattn.load_stats(self.stats)
@@ -140,6 +141,12 @@ def build_chats(tok, rows: list[dict], n: int, length: int, seed: int, max_promp
     if not groups:
         raise ValueError(f"no trace question fits a protected prompt in K (every prompt has >= {max_prompt} tokens); "
                          f"raise --budget")
+    # Upper bound on what the traces can give (each chat re-renders its turns, so find out before building any).
+    available = sum(map(len, prompts.values())) + sum(
+        map(len, tok([r["text"] for r in rows], add_special_tokens=False)["input_ids"]))
+    if n * length > available:
+        raise ValueError(f"the traces run out: {n} sequences of {length} tokens need {n * length} tokens, the traces "
+                         f"hold about {available}; use fewer --sequences or --rounds, or longer --traces")
     firsts = [i for _, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])) for i in g][:n]
     taken = set(firsts)
     pool = [i for i in order if i not in taken]
@@ -281,7 +288,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     try:
         chats = build_chats(tok, rows, config.sequences, length, config.seed, max_prompt)
     except ValueError as exc:
-        raise ConfigError("budget", str(exc)) from None
+        raise ConfigError("rounds" if "run out" in str(exc) else "budget", str(exc)) from None
     record = {"probe": "survival", "engine": randattn.ENGINE, "model": config.model or randattn.DEFAULT_MODEL,
               "traces": trace_label(traces), "budget": config.budget, "buffer": config.buffer, "rounds": config.rounds,
               "length": length, "sequences": config.sequences, "batch": config.batch, "seed": config.seed,

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from randattn.traces import load_traces  # noqa: F401  (re-exported for the probes)
 
 from . import cli
-from .config import POSITIVE, PROBABILITY, RunConfig, option
+from .config import POSITIVE, ConfigError, RunConfig, option
 from .planted_run import load
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
@@ -80,16 +80,48 @@ def make_problem(rng: random.Random) -> dict:
     return {"question": question + " Solve it step by step and give the final answer.", "answer": answer}
 
 
-def _done(path: Path) -> tuple[int, int]:
-    """(rows, tokens) already in ``path``."""
+def _done(path: Path, settings: Optional[dict] = None) -> tuple[int, int]:
+    """(rows, tokens) already in ``path``; refuses (:class:`ConfigError` naming ``out``, nothing changed) a folder, a
+    file that is not a traces file this command wrote, or one written with other settings; a torn last row (a run
+    killed mid-write) is cut off."""
     rows = tokens = 0
-    if path.exists():
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    rows += 1
-                    tokens += json.loads(line)["tokens"]
+    if path.is_dir():
+        raise ConfigError("out", f"{path} is a folder; --out names the traces JSONL file, e.g. {path / 'traces.jsonl'}")
+    if not path.exists():
+        return rows, tokens
+    data = path.read_bytes()
+    cut = None
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        if not data[cut:].startswith(b'{"id": '):
+            cut = None  # not one of our rows cut short: refused below
+        else:
+            data = data[:cut]
+    foreign = ConfigError("out", f"{path} is not a traces file written by probes.traces; nothing was changed. Give "
+                                 "--out a new file name")
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise foreign from None
+        if not (isinstance(row, dict) and isinstance(row.get("tokens"), int) and "text" in row and "settings" in row):
+            raise foreign
+        if settings is not None and row["settings"] != settings:
+            diff = sorted(k for k in set(settings) | set(row["settings"]) if settings.get(k) != row["settings"].get(k))
+            raise ConfigError("out", f"{path} holds traces generated with other settings (differs in "
+                                     f"{', '.join(diff)}); give --out a new file, or the same settings to resume")
+        rows += 1
+        tokens += row["tokens"]
+    if cut is not None:
+        with open(path, "r+b") as f:
+            f.truncate(cut)
     return rows, tokens
+
+
+def _top_p(value) -> Optional[str]:
+    return None if isinstance(value, (int, float)) and 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
 
 
 @dataclass
@@ -102,7 +134,7 @@ class Config(RunConfig):
     batch: int = option(16, "problems generated together", check=POSITIVE)
     max_new_tokens: int = option(384, "tokens per trace at most", check=POSITIVE)
     temperature: float = option(0.7, "sampling temperature", check=POSITIVE)
-    top_p: float = option(0.95, "nucleus sampling", check=PROBABILITY)
+    top_p: float = option(0.95, "nucleus sampling, in (0, 1]", check=_top_p)
 
 
 def main(argv=None) -> int:
@@ -114,17 +146,23 @@ def run(config: Config) -> int:
     import randattn
 
     out = Path(args.out or "data/traces/smollm2-135m.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows, tokens = _done(out)
-    model, tok = load(config)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
     settings = {
         "model": args.model or randattn.DEFAULT_MODEL, "do_sample": True, "temperature": args.temperature,
         "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "seed": args.seed, "chat_template": True,
         "cache": "full (no eviction)",
     }
+    for p in out.parents:
+        if p.exists() and not p.is_dir():
+            raise ConfigError("out", f"{p} is a file, so {out} cannot be created; give a path in a folder")
+    rows, tokens = _done(out, settings)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("out", f"cannot create {out.parent} ({exc.strerror or exc}); give a path you can write to")
+    model, tok = load(config)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     bar = tqdm(total=args.tokens, initial=min(tokens, args.tokens), unit="tok", desc=f"traces -> {out}")
     while tokens < args.tokens:
         batch_seed = args.seed * 1_000_003 + rows  # resumable: problem i depends only on (seed, i)

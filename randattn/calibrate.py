@@ -252,13 +252,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Every flag checked before the model loads and the calibration runs: a usage error naming the flag."""
+    import tempfile
+
+    for flag, value in (("--tokens", args.tokens), ("--max-length", args.max_length)):
+        if value <= 0:
+            p.error(f"{flag}: must be a positive integer, got {value}")
+    for flag, f in (("--text", args.text), ("--traces", args.traces)):
+        if f is None:
+            continue
+        if f.is_dir():
+            p.error(f"{flag}: {f} is a folder; give the file")
+        if not f.is_file():
+            p.error(f"{flag}: {f}: no such file")
+        try:
+            load_traces(f) if flag == "--traces" else f.read_text(encoding="utf-8")
+        except (ValueError, OSError) as exc:  # UnicodeDecodeError is a ValueError
+            p.error(f"{flag}: {f} cannot be read ({exc}); give a {'JSONL file with a text field per line' if flag == '--traces' else 'UTF-8 text file'}")
+    out = args.out
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            p.error(f"--out: {parent} is a file, so {out} cannot be created; give a path in a folder")
+    if out.is_dir():
+        p.error(f"--out: {out} is a folder; give the statistics file to write, e.g. {out / 'stats.pt'}")
+    if out.exists():
+        try:
+            TriAttentionStats.load(out)
+        except Exception:  # anything unreadable as statistics is not ours to replace
+            p.error(f"--out: {out} exists and is not a statistics file randattn wrote; nothing was changed. Give a new "
+                    "file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent, prefix=".randattn-write-check-"):
+            pass
+    except OSError as exc:
+        p.error(f"--out: cannot write in {out.parent} ({exc.strerror or exc}); give a path you can write to")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> TriAttentionStats:
-    args = build_parser().parse_args(argv)
-    if args.tokens <= 0 or args.max_length <= 0:
-        raise SystemExit("--tokens and --max-length must be positive")
-    for f in (args.text, args.traces):
-        if f is not None and not f.is_file():
-            raise SystemExit(f"{f}: no such file")
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
     from .models import load_model
 
     torch.manual_seed(args.seed)
