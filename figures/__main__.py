@@ -43,6 +43,8 @@ FIGURES = {
     "challenge": ("figures.challenge:plot", read_table,
                   "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick/verdict.csv",
                   "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick"),
+    "autopsy": ("figures.autopsy:plot", read_rows, "autopsy/smollm2-135m-copy-snapkv-protected-K256-r16-s0.jsonl",
+                "python -m probes.autopsy --task copy --policy random snapkv --problems 4 --max-replays 8"),
     "bench_decode": ("figures.bench:plot_decode", read_json, "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", read_json, "bench/round_cost.json",
                          "python -m bench.round_cost"),

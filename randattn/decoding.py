@@ -207,7 +207,8 @@ class Replay:
     def fork(self) -> "Replay":
         """An independent copy (cache included) that continues from the same position."""
         new = copy.copy(self)
-        new.cache = copy.deepcopy(self.cache)
+        # The cache remembers the model it is bound to (and a policy may hold model data): share it, never copy it.
+        new.cache = copy.deepcopy(self.cache, {id(self.model): self.model})
         new._col = self._col.copy()
         return new
 

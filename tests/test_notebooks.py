@@ -10,7 +10,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_there_are_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_planted_fact", "03_policies"]
+    assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_planted_fact", "03_policies", "autopsy"]
 
 
 @pytest.mark.slow

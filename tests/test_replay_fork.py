@@ -58,3 +58,11 @@ def test_run_until_outside_the_sequence_is_refused(tiny):
         r.run(until=8)
     with pytest.raises(ValueError, match="until"):
         r.run(until=31)
+
+
+def test_a_fork_shares_the_model_instead_of_copying_it(tiny):
+    model = tiny("llama")
+    base = randattn.Replay(model, random_ids(1, 30), _cache(), prompt_len=5).run(until=20)
+    branch = base.fork()
+    assert branch.model is model and branch.cache._bound_model is model
+    assert branch.cache is not base.cache and branch.cache.layers[0].keys is not base.cache.layers[0].keys
