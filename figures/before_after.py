@@ -85,7 +85,7 @@ def _pick(rows, **match) -> dict:
 
 
 def table() -> list[str]:
-    from figures import tables as t
+    from figures import table_io as t
 
     new = {
         "head_pooling": t.read_csv("head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"),

@@ -12,79 +12,15 @@ the current folder when there, else from the shipped copy (as ``python -m figure
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import math
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from randattn.analysis.shipped import shipped_result
+from figures.table_io import ci, f, footer, markdown, read_csv, read_jsonl, result_path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
-
-
-def result_path(rel: str) -> Path:
-    mine = Path("data") / "results" / rel
-    return mine if mine.exists() else shipped_result(rel)
-
-
-def read_csv(rel: str) -> list[dict]:
-    with open(result_path(rel), newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def read_jsonl(rel: str) -> list[dict]:
-    with open(result_path(rel)) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def num(value) -> Optional[float]:
-    if value in (None, ""):
-        return None
-    x = float(value)
-    return None if math.isnan(x) else x
-
-
-def f(value, digits: int = 3, signed: bool = False) -> str:
-    x = num(value)
-    if x is None:
-        return "–"
-    text = f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
-    return text.replace("-", "−")
-
-
-def ci(row: dict, col: str, digits: int = 3, signed: bool = False) -> str:
-    """``value [lo, hi]`` from the columns ``col``, ``col_lo``, ``col_hi``."""
-    if num(row.get(col)) is None:
-        return "–"
-    lo, hi = row.get(f"{col}_lo"), row.get(f"{col}_hi")
-    if num(lo) is None:
-        return f(row[col], digits, signed)
-    return f"{f(row[col], digits, signed)} [{f(lo, digits, signed)}, {f(hi, digits, signed)}]"
-
-
-def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def provenance(rows_file: str) -> str:
-    """The revision and engine recorded in the rows (every probe row carries its configuration)."""
-    revs, engines, dates = set(), set(), set()
-    for r in read_jsonl(rows_file):
-        config = r.get("config") or {}
-        revs.add(str(config.get("revision", r.get("revision", "?"))))
-        engines.add(str(config.get("engine", "?")))
-        if config.get("date"):
-            dates.add(str(config["date"]))
-    when = f"measured {', '.join(sorted(dates))}, " if dates else ""
-    return f"{when}revision {', '.join(sorted(revs))}, engine {', '.join(sorted(engines))}"
-
-
-def footer(rel: str, command: str, rows_file: Optional[str] = None) -> str:
-    return f"*From `data/results/{rel}` (`{command}`; {provenance(rows_file or rel)}).*"
 
 
 # -- one function per table ------------------------------------------------------------------------
@@ -220,7 +156,9 @@ def accuracy() -> list[str]:
     rel = "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl"
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     protocols = sorted({str(r.get("protocol")) for r in read_jsonl(rel)})
-    return table + ["", f"Protocols in the file: {', '.join(protocols)}. " + footer(rel, "python -m probes.accuracy")]
+    return table + ["", f"Protocols in the file: {', '.join(protocols)}. "
+                          + footer(rel, "python -m probes.accuracy --protocol matched --budget 256` then "
+                                        "`python -m probes.accuracy --budget 320 384")]
 
 
 def challenge() -> list[str]:
@@ -256,7 +194,7 @@ def autopsy() -> list[str]:
 
 
 def before_after() -> list[str]:
-    from figures.before_after import table
+    from figures.before_after import table  # one way: before_after reads through figures.table_io only
 
     return table()
 

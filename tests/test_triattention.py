@@ -284,7 +284,7 @@ def test_stats_rotary_parameters_reproduce_the_models_queries(rope):
             torch.testing.assert_close(_hf_rope(pre[head, t], t, inv_freq, scaling).float(), post[head, t], atol=1e-5, rtol=1e-5)
 
 
-def test_calibrate_cli_text_and_traces(tmp_path):
+def test_calibrate_cli_text_and_traces(tmp_path, capsys):
     from randattn.testing import tiny_model, tiny_tokenizer
 
     model = tiny_model("llama")
@@ -314,9 +314,11 @@ def test_calibrate_cli_text_and_traces(tmp_path):
     assert load_stats(out2).meta["tokens"] == 120 and load_stats(out2).meta["sequences"] == 3
 
     (tmp_path / "bad.jsonl").write_text('{"txt": "w1 w2"}\n')
-    with pytest.raises(ValueError, match='"text"'):
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # a usage error, checked before the model loads
         calibrate_main(["--model", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok"), "--out",
                         str(tmp_path / "x.pt"), "--traces", str(tmp_path / "bad.jsonl"), "--quiet"])
+    assert 'has no string "text" field' in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
 
 
 def test_calibrate_help_documents_every_flag():
