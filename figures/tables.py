@@ -161,6 +161,14 @@ def accuracy() -> list[str]:
                                         "`python -m probes.accuracy --budget 320 384")]
 
 
+def prompt_budget() -> list[str]:
+    rel = "accuracy_prompt_budget/smollm2-135m-copy-r16-n192-s0.jsonl"
+    table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
+    return table + ["", footer(rel, "python -m probes.accuracy --policy full random snapkv random-pcap random-pmix "
+                                    "--policy-option random-pcap:cap=64 random-pmix:small=64 --budget 256 "
+                                    "--out data/results/accuracy_prompt_budget")]
+
+
 def challenge() -> list[str]:
     folder = "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick"
     rows = read_csv(f"{folder}/verdict.csv")
@@ -203,7 +211,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "head_pooling": head_pooling, "scatter": scatter, "two_facts": two_facts, "blocks": blocks,
     "shared_draw": shared_draw, "passcode": passcode, "prompt_protection": prompt_protection, "survival": survival,
     "survival_random": survival_random, "accuracy": accuracy, "challenge": challenge, "before_after": before_after,
-    "autopsy": autopsy,
+    "autopsy": autopsy, "prompt_budget": prompt_budget,
 }
 
 
