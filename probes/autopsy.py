@@ -54,7 +54,7 @@ from randattn.analysis.autopsy import held_map, location, pack_mask, span_surviv
 
 from . import cli
 from .common import policy_slug
-from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
+from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load, write_csv
 from .policy_specs import bind_policies, check_policy, native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
@@ -495,8 +495,7 @@ class Config(RunConfig):
         return self.buffer or DEFAULTS[self.kind][1]
 
     def check(self) -> None:
-        if self.r >= self.T:
-            raise ConfigError("budget", f"T={self.T} must exceed r={self.r} (the recent window is r)")
+        check_budget(self.T, self.r)
         if self.prompt is not None and not self.prompt.strip():
             raise ConfigError("prompt", "is empty")
         if self.prompt is not None and self.index:

@@ -38,7 +38,7 @@ import randattn
 from . import cli
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
 from .common import policy_slug
-from .config import POSITIVE, ConfigError, RunConfig, option
+from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load, write_csv
 from .policy_specs import check_policy, check_stats_used
 from .results import NotOurFile, OutputFolder, git_revision
@@ -97,8 +97,7 @@ class Config(RunConfig):
         if self.policy == REFERENCE:
             raise ConfigError("policy", "random is the reference every selector is measured against; give your own "
                                         "selector (MODULE:CALLABLE) or another registered name")
-        if self.buffer >= self.budget:
-            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        check_budget(self.budget, self.buffer)
         check_policy("policy", self.policy)
         for spec in self.baselines:
             check_policy("baselines", spec)

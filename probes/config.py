@@ -85,6 +85,12 @@ def PROBABILITY(value) -> Optional[str]:
     return None
 
 
+def check_budget(budget: int, buffer: int, field: str = "budget") -> None:
+    """T must exceed r: the newest r pairs are the recent window, never candidates, so T - r are selected."""
+    if buffer >= budget:
+        raise ConfigError(field, f"T={budget} must exceed r={buffer} (the recent window is r)")
+
+
 def option(default: Any, help: str, *, check: Optional[Callable] = None, choices=None, metavar: Optional[str] = None,
            cli: bool = True, flag: Optional[str] = None):
     """A documented config field. ``cli=False`` keeps it off the command line (set from code only); ``flag`` overrides

@@ -19,7 +19,7 @@ import randattn
 
 from . import cli
 from .common import ranges
-from .config import POSITIVE, ConfigError, RunConfig, option
+from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load
 from .policy_specs import check_policy
 
@@ -47,8 +47,7 @@ class Config(RunConfig):
                                                   "last)")
 
     def check(self) -> None:
-        if self.buffer >= self.budget:
-            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        check_budget(self.budget, self.buffer)
         check_policy("policy", self.policy)
         if self.out is not None:
             check_demo_out(Path(self.out))

@@ -252,6 +252,13 @@ class RayBackend:
                 unit = queue.popleft()
                 running[a.run.remote(unit)] = (a, unit)
 
+        def drop(a):  # a worker gone for good; with none left, what is queued cannot run
+            actors.remove(a)
+            if not actors:
+                for u in queue:
+                    failed(u, "not run: every worker died")
+                queue.clear()
+
         for a in actors:
             submit(a)
         try:
@@ -268,19 +275,11 @@ class RayBackend:
                         running[a.run.remote(unit)] = (a, unit)
                         continue
                     failed(unit, f"worker unavailable after {self.retries} retries ({type(exc).__name__})")
-                    actors.remove(a)
-                    if not actors:
-                        for u in queue:
-                            failed(u, "not run: every worker died")
-                        queue.clear()
+                    drop(a)
                     continue
                 except RayActorError as exc:  # the worker died and its restarts are used up: drop it
                     failed(unit, f"worker died ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
-                    actors.remove(a)
-                    if not actors:
-                        for u in queue:
-                            failed(u, "not run: every worker died")
-                        queue.clear()
+                    drop(a)
                     continue
                 except Exception as exc:  # the unit raised: a bug or a bad setting; the worker goes on
                     failed(unit, _last_line(exc))

@@ -23,7 +23,7 @@ from randattn.keepstats import random_round_survival
 from randattn.traces import load_traces
 
 from .common import policy_slug
-from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
+from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
 from .policy_specs import calibration_options, check_policy, check_stats_used
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
@@ -61,8 +61,7 @@ class PlantedConfig(RunConfig):
         super().__post_init__()
 
     def check(self) -> None:
-        if self.buffer >= self.budget:
-            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        check_budget(self.budget, self.buffer)
         check_policy("policy", self.policy)
         for spec in getattr(self, "policies", ()):
             check_policy("policies", spec)

@@ -32,7 +32,7 @@ import randattn
 from randattn.analysis.prompt_protection import summarize
 
 from . import cli
-from .config import POSITIVE, ConfigError, RunConfig, option
+from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load, write_csv
 from .policy_specs import bind_policies, check_policy
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
@@ -131,8 +131,7 @@ class Config(RunConfig):
         super().__post_init__()
 
     def check(self) -> None:
-        if self.buffer >= self.budget:
-            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        check_budget(self.budget, self.buffer)
         for spec in self.policies:
             check_policy("policies", spec)
 

@@ -35,7 +35,7 @@ from randattn.analysis.survival import Pooled, mean_deficit, pool
 from randattn.traces import load_traces
 
 from . import cli
-from .config import POSITIVE, ConfigError, RunConfig, option
+from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load
 from .policy_specs import bind_policies, calibration_options, check_policy, check_stats_used, native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
@@ -84,8 +84,7 @@ class Config(RunConfig):
         super().__post_init__()
 
     def check(self) -> None:
-        if self.buffer >= self.budget:
-            raise ConfigError("budget", f"T={self.budget} must exceed r={self.buffer} (the recent window is r)")
+        check_budget(self.budget, self.buffer)
         for spec in self.policies:
             check_policy("policies", spec)
         check_stats_used(self.stats, self.policies)

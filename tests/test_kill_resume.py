@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from probes.results import INFORMATIONAL
+from test_grid import ACCURACY as ACCURACY_GRID
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = {"seconds"}  # per-row wall time (survival); everything else in a row is deterministic
@@ -103,18 +104,7 @@ def test_a_killed_probe_resumes_to_the_uninterrupted_rows(probe, flags, tiny_dir
     assert not resumed.read_bytes() or resumed.read_bytes().endswith(b"\n")
 
 
-GRID = """
-probe = "accuracy"
-task = "copy"
-models = ["{model}"]
-policies = ["full", "random", "recency"]
-budgets = [224]
-buffers = [8]
-runs = 2
-problems = 3
-batch = 2
-max_new_tokens = 24
-"""
+GRID = ACCURACY_GRID.replace("{problems}", "3").replace("{max_new_tokens}", "24")  # test_grid's small accuracy grid
 
 
 def _grid_rows(out: Path) -> dict:
