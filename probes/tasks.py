@@ -11,7 +11,7 @@ hmmt          math    4096  32768  HF ``MathArena/hmmt_feb_2025`` + ``hmmt_nov_2
 gpqa_diamond  choice  2048  32768  HF ``Idavidrein/gpqa``, ``gpqa_diamond`` (gated) or ``--data``
 livecodebench code    3072  32768  HF ``livecodebench/code_generation_lite`` v6 (medium) or ``--data``
 copy          copy    256   192    written here (no download): the embedded model's task
-repeat        repeat  320   1280   written here: the embedded model's task in the paper's regime
+repeat        repeat  320   1664   written here: the embedded model's task in the paper's regime
 ============  ======  ====  =====  ==========================================================
 
 K is the paper's per-task budget (MATH500 1024, GPQA-Diamond 2048, AIME/HMMT 4096, LiveCodeBench
@@ -346,7 +346,7 @@ TASKS: dict[str, Task] = {
     "copy": Task("copy", "copy", 256, 6 * COPY_N + 24, grade_copy, buffer=16,
                  description=f"repeat a list of {COPY_N} random four-digit numbers from the prompt (embedded model)",
                  policy_options={"h2o": {"recent_fraction": 0.08}}, problems=32),
-    "repeat": Task("repeat", "repeat", 320, 1280, grade_repeat, buffer=8,
+    "repeat": Task("repeat", "repeat", 320, 1664, grade_repeat, buffer=8,
                    description=f"copy a line of {REPEAT_N} four-digit numbers line after line (embedded model): a "
                                "short prompt and a long answer that restates what it needs, the paper's regime",
                    problems=8),
