@@ -167,8 +167,20 @@ class EvictingLayer(CacheLayerMixin):
             idx = kept if t.shape[1] == kept.shape[1] else kept.repeat_interleave(t.shape[1] // kept.shape[1], dim=1)
             if t.dim() == 4:
                 idx = idx[..., None].expand(-1, -1, -1, t.shape[-1])
-            fields[name] = torch.gather(t, 2, idx)
-        self._store(**fields)
+            fields[name] = idx
+        if any(t.requires_grad for t in self._slot_tensors().values()) and torch.is_grad_enabled():
+            self._store(**{name: torch.gather(getattr(self, name), 2, idx) for name, idx in fields.items()})
+            return
+        # Gather straight into fresh buffers with room for K + r: one copy of the kept pairs per round, not a gather
+        # and then a copy into the buffer (out= does not record autograd, hence the branch above).
+        n, room = kept.shape[-1], max(kept.shape[-1], self.parent.budget + self.parent.buffer)
+        bufs = {}
+        for name, idx in fields.items():
+            t = getattr(self, name)
+            bufs[name] = t.new_empty((*t.shape[:2], room, *t.shape[3:]))
+            torch.gather(t, 2, idx, out=bufs[name][:, :, :n])
+        self._buf = bufs
+        self._views(n)
 
     # -- HF layer API -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
