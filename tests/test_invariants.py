@@ -203,3 +203,25 @@ def test_restore_layer_then_run_round_keeps_budget_and_counts_the_round():
     cache.run_round(layer)
     assert layer.physical_length == 8 and layer.rounds == 1 and cache.events == [0, 1]
     assert layer.positions[0, :, -cache.recent:].tolist() == [list(range(12 - cache.recent, 12))] * 2
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_round_keeps_exactly_the_selected_pairs_with_room_for_the_next_buffer(grad):
+    """keep_slots gathers into fresh K + r buffers (no-grad path) or through autograd (keys that require grad): both
+    hold the gathered pairs, and the next r writes need no allocation; with grad, gradients reach the kept slots only."""
+    cache = randattn.EvictingCache("random", budget=8, buffer=4, seed=3)
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 2, 12, 4, generator=g).requires_grad_(grad)
+    values = torch.randn(2, 2, 12, 4, generator=g)
+    layer = cache.restore_layer(0, keys=keys, values=values, positions=torch.arange(12).expand(2, 2, 12), seq_len=12)
+    kept = cache.select(layer)
+    old_buffer = layer._buf["keys"]
+    layer.keep_slots(kept)
+    idx = kept[..., None].expand(-1, -1, -1, 4)
+    assert torch.equal(layer.keys, torch.gather(keys, 2, idx)) and torch.equal(layer.values, torch.gather(values, 2, idx))
+    assert torch.equal(layer.positions, kept) and layer._buf["keys"] is not old_buffer
+    assert layer._buf["keys"].shape[2] == 12 and layer.keys.requires_grad == grad
+    if grad:
+        layer.keys.sum().backward()
+        expect = torch.zeros_like(keys).scatter_(2, idx, 1.0)
+        assert torch.equal(keys.grad, expect)
