@@ -29,7 +29,8 @@ Graders:
 - **code** (LiveCodeBench): the last fenced program of the output is run against every test in a sandboxed
   subprocess (:mod:`probes.code_grader`: wall-clock, CPU and memory limits, no network, writes only in its
   temporary folder); 1 when every test passes, with the per-test verdicts in the row.
-- **repeat**: the last complete line written, scored as the fraction of the line's numbers in place.
+- **repeat**: the last complete numbered line (the model's last copy), scored as the fraction of the line's numbers
+  in place; text after the list is skipped, and fewer than half the requested copies score 0.
 - **copy**: the fraction of the ``n`` reference numbers the output reproduces in order (the first
   ``n`` four-digit numbers found; anything after is ignored, since the model keeps writing).
 
@@ -293,7 +294,7 @@ def grade_code(text: str, problem: Problem) -> Grade:
 REPEAT_N = 4  # numbers per line
 REPEAT_LINES = 64
 REPEAT_TEMPLATE = "Copy this line {lines} times: {line}"
-_LABELLED = re.compile(r"^\s*\d+\.\s*(.*)$")
+_LABELLED = re.compile(r"^\s*(\d+)\.\s*(.*)$")
 
 
 def repeat_problem(i: int, n: int = REPEAT_N) -> Problem:
@@ -306,17 +307,19 @@ def repeat_problem(i: int, n: int = REPEAT_N) -> Problem:
 
 
 def grade_repeat(text: str, problem: Problem) -> Grade:
-    """The last *complete* line the output wrote (one followed by a newline; the generation is cut off inside
-    the last one): the fraction of the reference numbers it has at their place. Every earlier copy restates the
-    line, so the last one can be copied from any of them; a model that lost the line writes a wrong one."""
+    """The model's last copy: the last *complete* numbered line (``k. ...`` followed by a newline; a generation
+    cut off at the length limit is cut inside its last line), scored as the fraction of the reference numbers in
+    place. Every earlier copy restates the line, so the last one can be copied from any of them; a model that
+    lost the line writes a wrong one. Text after the list (a model that stops copying and writes a sentence)
+    is not a copy and is skipped. A generation with fewer than half the requested copies scores 0: its last
+    copy was written early, before eviction had much to take."""
     ref = problem.answer.split()
-    complete = ("2." + text).split("\n")[:-1]
-    if not complete:
-        return Grade(0.0, None)
-    last = complete[-1]
-    m = _LABELLED.match(last)
-    got = _FOUR_DIGITS.findall(m.group(1) if m else last)
-    return Grade(sum(a == b for a, b in zip(got, ref)) / len(ref), last.strip())
+    copies = [m for line in ("2." + text).split("\n")[:-1] if (m := _LABELLED.match(line))]
+    if len(copies) < REPEAT_LINES // 2:
+        return Grade(0.0, f"{len(copies)} copies" if copies else None)
+    last = copies[-1]
+    got = _FOUR_DIGITS.findall(last.group(2))
+    return Grade(sum(a == b for a, b in zip(got, ref)) / len(ref), last.group(0).strip())
 
 
 # -- the registry ---------------------------------------------------------------------------------

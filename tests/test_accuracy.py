@@ -430,9 +430,21 @@ def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_d
 
     p = repeat_problem(3)
     assert p.prefix == f"1. {p.answer}\n2." and p.system == "" and len(p.answer.split()) == 4
-    assert grade_repeat(f" {p.answer}\n3. {p.answer}\n4. 12", p).score == 1.0
+    def copies(n, last=None):  # lines 2 .. n + 1 as the model writes them after the prompt's "1. ...\n2."
+        lines = [f" {p.answer}"] + [f"{k}. {p.answer}" for k in range(3, n + 2)]
+        if last is not None:
+            lines[-1] = f"{n + 1}. {last}"
+        return "\n".join(lines) + "\n"
+
     half = " ".join(p.answer.split()[:2] + ["1111", "2222"])
-    assert grade_repeat(f" {p.answer}\n3. {half}\n4. {p.answer[:6]}", p).score == 0.5  # the cut line does not count
+    assert grade_repeat(copies(40) + "42. 12", p).score == 1.0
+    assert grade_repeat(copies(40, half) + f"42. {p.answer[:6]}", p).score == 0.5  # the cut line does not count
+    # a model that ends the list by itself and writes a sentence is graded on its last copy, not the sentence
+    stopped = grade_repeat(copies(63) + "\nThe number of times the number appears is 10.", p)
+    assert stopped.score == 1.0 and stopped.extracted.startswith("64. ")
+    assert grade_repeat(copies(7) + "\nThe output should be the line.", p).score == 0.0  # too few copies: written early
+    assert grade_repeat(copies(40) + "\nsome prose\n", p).score == 1.0
+    assert grade_repeat(copies(40, half) + "\nsome prose\n", p).score == 0.5
     assert grade_repeat("", p).score == 0.0
     assert [q.id for q in load_problems(get_task("repeat"))] == [f"repeat-{i}" for i in range(8)]
     from probes import accuracy
