@@ -7,6 +7,7 @@ import json
 import platform
 import subprocess
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -238,17 +239,25 @@ def medians(rows: list, key: str = "tokens_per_s") -> dict:
 
 
 # -- results ----------------------------------------------------------------------------------------
+def provenance() -> dict:
+    """The engine, git revision and UTC date a result was measured on (the docs' tables print them)."""
+    return {
+        "engine": randattn.ENGINE,
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO_ROOT).stdout.strip(),
+        "date": datetime.now(timezone.utc).date().isoformat(),
+    }
+
+
 def meta(args, model, **extra) -> dict:
     """Where and how a result was measured; every benchmark's JSON starts with it."""
     return {
         "model": args.model or randattn.DEFAULT_MODEL,
-        "engine": randattn.ENGINE,
         "device": str(model.device),
         "dtype": str(model.dtype),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO_ROOT).stdout.strip(),
+        **provenance(),
         **extra,
     }
 

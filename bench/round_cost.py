@@ -22,6 +22,7 @@ import torch
 
 import randattn
 
+from bench.common import provenance
 from probes.common import positive_int, result_file, seed_int
 
 # (label, H_kv, H_q, head_dim, K, r)
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": torch.get_num_threads(), "repeats": args.repeats, "prompt": args.prompt, "device": "cpu"}
+    meta = {"threads": torch.get_num_threads(), "repeats": args.repeats, "prompt": args.prompt, "device": "cpu",
+            **provenance()}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     for label, *_ in SHAPES:
         sub = [x for x in rows if x["shape"] == label]

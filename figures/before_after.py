@@ -33,6 +33,8 @@ OLD_FILES = {
     "data/results/prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv": "prompt_protection.summary.csv",
     "data/results/shared_draw/summary-smollm2-135m-K256-r16-s0.csv": "shared_draw.summary.csv",
     "data/results/accuracy/smollm2-135m-copy-r16-n192-s0.table.csv": "accuracy.table.csv",
+    "data/results/bench/decode.json": "bench_decode.json",
+    "data/results/bench/round_cost.json": "bench_round_cost.json",
 }
 SURVIVAL = "data/results/survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
 
@@ -118,6 +120,34 @@ def table() -> list[str]:
                 return "–"
         return one(old["accuracy"]), one(new["accuracy"])
 
+    def bench(name, value):
+        """``value(rows)`` of the old and the new benchmark file; "–" where the file or its arm is missing."""
+        def one(path):
+            try:
+                return value(json.loads(path.read_text())["rows"])
+            except (FileNotFoundError, StopIteration, KeyError):
+                return "–"
+        return one(OLD / f"bench_{name}.json"), one(t.result_path(f"bench/{name}.json"))
+
+    def tok_s(rows, batch, policy):
+        import statistics
+
+        return statistics.median(r["tokens_per_s"] for r in rows if r["batch"] == batch and r["policy"] == policy)
+
+    def ratio(batch, policy, base):
+        return bench("decode", lambda rows: f"{tok_s(rows, batch, policy) / tok_s(rows, batch, base):.2f}×"
+                     if any(r["policy"] == base for r in rows) else "–")
+
+    def round_cost(shape, policy, field="x_random"):
+        def value(rows):
+            r = next(x for x in rows if x["shape"] == shape and x["policy"] == policy)
+            return f"{r[field]:.2f} ms" if field == "ms" else f"{r[field]:.2f}×"
+        return bench("round_cost", value)
+
+    def vs_floor(rows):
+        r = next(x for x in rows if x["shape"] == "Qwen3-4B K=1024" and x["policy"] == "random")
+        return f"{r['ms'] / r['copy_floor_ms']:.2f}×"
+
     rows = [
         ("head pooling: Retrieval, fact in every head", *cell("head_pooling", "retrieval", condition="all"), "0.99 (8 heads)"),
         ("head pooling: Retrieval, best single head (head 2)", *cell("head_pooling", "retrieval", condition="h2"), "0.03"),
@@ -142,6 +172,15 @@ def table() -> list[str]:
         ("copy accuracy T=256 protected: recency", *acc("recency", "copy K=256"), "–"),
         ("copy accuracy T=256 score only: Random", *acc("random", "copy K=256 score only"), "–"),
         ("copy accuracy T=320 protected: Random", *acc("random", "copy K=320"), "–"),
+        ("decode tokens/s, batch 1, Random × full (4,096 tokens, T=1,024, r=64)", *ratio(1, "random", "full"),
+         "0.52–0.96× (short compute-bound runs)"),
+        ("decode tokens/s, batch 1, Random × sliding window of T + r", *ratio(1, "random", "window"), "–"),
+        ("round cost, Qwen3-4B layer, T=1,024: Random", *round_cost("Qwen3-4B K=1024", "random", "ms"),
+         "≈ 0.30 ms (H200)"),
+        ("round cost, Qwen3-4B layer, T=1,024: Random × copying the kept pairs once", *bench("round_cost", vs_floor), "–"),
+        ("round cost, Qwen3-4B layer, T=1,024: TriAttention × Random", *round_cost("Qwen3-4B K=1024", "triattention"),
+         "≈ 5× (1.47–1.64 ms)"),
+        ("round cost, Qwen3-4B layer, T=1,024: SnapKV × Random", *round_cost("Qwen3-4B K=1024", "snapkv"), "–"),
     ]
     body = t.markdown(["headline number (embedded SmolLM2-135M unless the paper's)", f"before ({OLD_REVISION})",
                        "paper's engine", "the paper (Qwen3-4B)"], [list(r) for r in rows])

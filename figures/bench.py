@@ -11,29 +11,41 @@ from . import style
 
 
 def plot_decode(data: dict, out_dir=None, name: str = "bench_decode") -> list[Path]:
-    """Draw the decode benchmark from its result (``{"meta": ..., "rows": [...]}``)."""
+    """Draw the decode benchmark from its result (``{"meta": ..., "rows": [...]}``): every cache it ran (full
+    attention, the sliding-window floor, each policy), medians over the repeats with their range."""
+    import statistics
+
     meta, rows = data["meta"], data["rows"]
     batches = sorted({r["batch"] for r in rows})
+    arms = list(dict.fromkeys(r["policy"] for r in rows))
+    label = {"full": "full attention", "window": f"sliding window ({meta['budget'] + meta['buffer']} pairs)"}
     style.apply()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.38
-    for j, policy in enumerate(["full", "random"]):
-        sel = {r["batch"]: r for r in rows if r["policy"] == policy}
-        xs = [i + (j - 0.5) * width for i in range(len(batches))]
-        label = "full attention" if policy == "full" else f"Random (K={meta['budget']}, r={meta['buffer']})"
-        axes[0].bar(xs, [sel[b]["tokens_per_s"] for b in batches], width, label=label, color=style.PALETTE[j])
-        axes[1].bar(xs, [sel[b]["kv_bytes_end"] / 2**20 for b in batches], width, label=label, color=style.PALETTE[j])
-    for i, b in enumerate(batches):
-        full = next(r for r in rows if r["policy"] == "full" and r["batch"] == b)
-        rnd = next(r for r in rows if r["policy"] == "random" and r["batch"] == b)
-        axes[0].text(i + 0.5 * width, rnd["tokens_per_s"], f"{rnd['tokens_per_s'] / full['tokens_per_s']:.2f}x",
-                     ha="center", va="bottom", fontsize=8)
-    for ax, label in ((axes[0], "decode throughput (tokens/s)"), (axes[1], "KV cache at the end (MiB)")):
+    width = 0.8 / len(arms)
+    for j, arm in enumerate(arms):
+        runs = {b: [r for r in rows if r["policy"] == arm and r["batch"] == b] for b in batches}
+        present = [i for i, b in enumerate(batches) if runs[b]]
+        xs = [i + (j - (len(arms) - 1) / 2) * width for i in present]
+        tok = [[r["tokens_per_s"] for r in runs[batches[i]]] for i in present]
+        med = [statistics.median(t) for t in tok]
+        err = [[m - min(t) for m, t in zip(med, tok)], [max(t) - m for m, t in zip(med, tok)]]
+        text = label.get(arm, f"{arm} (K={meta['budget']}, r={meta['buffer']})")
+        axes[0].bar(xs, med, width, yerr=err, capsize=3, label=text, color=style.PALETTE[j])
+        axes[1].bar(xs, [runs[batches[i]][0]["kv_bytes_end"] / 2**20 for i in present], width, label=text,
+                    color=style.PALETTE[j])
+        if arm != "full":
+            for x, i, m in zip(xs, present, med):
+                full = [r["tokens_per_s"] for r in rows if r["policy"] == "full" and r["batch"] == batches[i]]
+                if full:
+                    axes[0].text(x, m, f"{m / statistics.median(full):.2f}x", ha="center", va="bottom", fontsize=8)
+    for ax, ylabel in ((axes[0], "decode throughput (tokens/s), median and range"),
+                       (axes[1], "KV cache at the end (MiB)")):
         ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
+        ax.set_ylabel(ylabel)
+    axes[1].legend(fontsize=8, loc="upper right")  # the KV panel has room above the evicting caches
     fig.suptitle(f"Decoding {meta['new_tokens']} new tokens: {meta['model']} on {meta['device']} "
-                 f"({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}", fontsize=10)
+                 f"({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}; "
+                 f"{meta.get('repeats', 1)} repeat(s)", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)
 

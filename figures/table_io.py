@@ -68,5 +68,17 @@ def provenance(rows_file: str) -> str:
     return f"{when}revision {', '.join(sorted(revs))}, engine {', '.join(sorted(engines))}"
 
 
+def read_json(rel: str) -> dict:
+    return json.loads(result_path(rel).read_text())
+
+
+def bench_footer(rel: str, command: str) -> str:
+    """A benchmark's source line: its ``meta`` records the revision, engine and (newer files) the date."""
+    meta = read_json(rel)["meta"]
+    when = f"measured {meta['date']}, " if meta.get("date") else ""
+    return (f"*From `data/results/{rel}` (`{command}`; {when}revision {meta.get('git', '?')}, "
+            f"engine {meta.get('engine', 'before the paper')}).*")
+
+
 def footer(rel: str, command: str, rows_file: Optional[str] = None) -> str:
     return f"*From `data/results/{rel}` (`{command}`; {provenance(rows_file or rel)}).*"

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from figures.table_io import ci, f, footer, markdown, read_csv, read_jsonl, result_path
+from figures.table_io import bench_footer, ci, f, footer, markdown, read_csv, read_json, read_jsonl, result_path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -161,6 +161,22 @@ def accuracy() -> list[str]:
                                         "`python -m probes.accuracy --budget 320 384")]
 
 
+def accuracy_repeat() -> list[str]:
+    rel = "accuracy/smollm2-135m-repeat-r8-n1664-s0.jsonl"
+    rows = read_jsonl(rel)
+    table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
+    sweep = sorted({(r["budget"], r["compression"]) for r in rows if r.get("compression")}, reverse=True)
+    lengths = []
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        gen = [r["gen_len"] for r in rows if r["policy"] == pol]
+        stopped = sum(bool(r["terminated"]) for r in rows if r["policy"] == pol)
+        lengths.append(f"{pol} {sum(gen) / len(gen):,.0f} ({stopped} of {len(gen)} stopped by themselves)")
+    return table + ["", "Budgets: " + ", ".join(f"K={k} is {c:g}×" for k, c in sweep) + ". Mean generated tokens: "
+                    + "; ".join(lengths) + ". "
+                    + footer(rel, "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
+                                  "triattention vase --runs 1")]
+
+
 def prompt_budget() -> list[str]:
     rel = "accuracy_prompt_budget/smollm2-135m-copy-r16-n192-s0.jsonl"
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
@@ -201,6 +217,95 @@ def autopsy() -> list[str]:
                           for task, rel in sources]
 
 
+def _median_rows(rows: list[dict]) -> dict:
+    """``{(batch, policy): (median, min, max, first row)}`` of tokens/s over a benchmark's repeats."""
+    import statistics
+
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["batch"], r["policy"]), []).append(r)
+    return {k: (statistics.median(x["tokens_per_s"] for x in v), min(x["tokens_per_s"] for x in v),
+                max(x["tokens_per_s"] for x in v), v[0]) for k, v in out.items()}
+
+
+CACHE_NAMES = {"full": "full (HF DynamicCache)", "window": "window (HF sliding window, T + r pairs)"}
+
+
+def _decode_rows(rel: str) -> list[list[str]]:
+    med = _median_rows(read_json(rel)["rows"])
+    out = []
+    for (batch, policy), (m, lo, hi, r) in med.items():
+        full, window = med.get((batch, "full")), med.get((batch, "window"))
+        rng = f" [{lo:.2f}, {hi:.2f}]" if hi > lo else ""
+        share = f"{100 * r['round_share']:.2f}%" if "round_share" in r else "–"
+        out.append([str(batch), CACHE_NAMES.get(policy, f"`{policy}`"), f"{m:.2f}{rng}",
+                    f"{m / full[0]:.2f}" if full else "–", f"{m / window[0]:.2f}" if window else "–",
+                    f"{r['kv_bytes_end'] / 2**20:,.1f}",
+                    f"{r['kv_bytes_end'] / full[3]['kv_bytes_end']:.2f}" if full else "–",
+                    str(r.get("rounds_per_layer", "–")), share])
+    return out
+
+
+DECODE_HEADER = ["batch", "cache", "tokens/s, median [range]", "× full", "× window", "KV MiB at end", "KV × full",
+                 "rounds per layer", "time in rounds"]
+
+
+def bench_decode() -> list[str]:
+    out = []
+    for rel, command in (("bench/decode.json", "python -m bench.decode --batches 1 --repeats 2 --threads 2"),
+                         ("bench/decode_b8.json", "python -m bench.decode --batches 8 --threads 2 --out "
+                                                  "data/results/bench/decode_b8.json")):
+        if not result_path(rel).exists():
+            continue
+        meta = read_json(rel)["meta"]
+        out += [f"{meta['new_tokens']:,} new tokens, T={meta['budget']:,}, r={meta['buffer']}, "
+                f"{meta.get('repeats', 1)} repeat(s), {meta['torch_threads']} threads:", ""]
+        out += markdown(DECODE_HEADER, _decode_rows(rel)) + ["", bench_footer(rel, command), ""]
+    return out[:-1]
+
+
+def bench_round_cost() -> list[str]:
+    rel = "bench/round_cost.json"
+    rows = read_json(rel)["rows"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    cell = {(r["shape"], r["policy"]): r for r in rows}
+    body = [[f"`{pol}`"] + [f"{cell[(s, pol)]['ms']:.2f} ms ({cell[(s, pol)]['x_random']:.2f}×)" for s in shapes]
+            for pol in dict.fromkeys(r["policy"] for r in rows)]
+    body.append(["copy floor"] + [f"{cell[(s, 'random')]['copy_floor_ms']:.2f} ms (Random "
+                                  f"{cell[(s, 'random')]['ms'] / cell[(s, 'random')]['copy_floor_ms']:.2f}×)"
+                                  for s in shapes])
+    return markdown(["policy"] + shapes, body) + ["", bench_footer(rel, "python -m bench.round_cost --threads 2")]
+
+
+def bench_aims() -> list[str]:
+    """The benchmark aims the re-measured files answer, each with its measured value and whether it was met."""
+    rows = []
+    for rel in ("bench/decode.json", "bench/decode_b8.json"):
+        if not result_path(rel).exists():
+            continue
+        med = _median_rows(read_json(rel)["rows"])
+        for batch in sorted({b for b, _ in med}):
+            rnd, window, full = (med.get((batch, p)) for p in ("random", "window", "full"))
+            if rnd and window:
+                x = rnd[0] / window[0]
+                rows.append([f"Random ≥ 0.95× the sliding window's tokens/s, batch {batch}", f"{x:.2f}×",
+                             "met" if x >= 0.95 else "missed"])
+            if rnd and full and batch == 1:
+                x = rnd[0] / full[0]
+                rows.append(["Random no slower than full attention at batch 1", f"{x:.2f}×",
+                             "met" if x >= 1 else "missed"])
+            if rnd:
+                share = rnd[3]["round_share"]
+                rows.append([f"eviction rounds ≤ 5% of decode time, batch {batch}", f"{100 * share:.2f}%",
+                             "met" if share <= 0.05 else "missed"])
+    cost = read_json("bench/round_cost.json")["rows"]
+    for r in (x for x in cost if x["policy"] == "random"):
+        x = r["ms"] / r["copy_floor_ms"]
+        rows.append([f"a Random round within 2× of copying the kept pairs once ({r['shape']})", f"{x:.2f}×",
+                     "met" if x <= 2 else "missed"])
+    return markdown(["aim (4,096 new tokens, T=1,024, r=64 for decode)", "measured", ""], rows)
+
+
 def before_after() -> list[str]:
     from figures.before_after import table  # one way: before_after reads through figures.table_io only
 
@@ -211,7 +316,9 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "head_pooling": head_pooling, "scatter": scatter, "two_facts": two_facts, "blocks": blocks,
     "shared_draw": shared_draw, "passcode": passcode, "prompt_protection": prompt_protection, "survival": survival,
     "survival_random": survival_random, "accuracy": accuracy, "challenge": challenge, "before_after": before_after,
-    "autopsy": autopsy, "prompt_budget": prompt_budget,
+    "autopsy": autopsy, "prompt_budget": prompt_budget, "bench_decode": bench_decode,
+    "bench_round_cost": bench_round_cost, "bench_aims": bench_aims,
+    "accuracy_repeat": accuracy_repeat,
 }
 
 

@@ -65,6 +65,10 @@ KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 PROTOCOLS = ("protected", "score-only", "matched", "grid")
 # the default run's results (the embedded model on the copy task); figures/__main__.py draws it by default
 DEFAULT_RESULT_NAME = "smollm2-135m-copy-r16-n192-s0.jsonl"
+# the repeat task's shipped compression sweep (docs/probes.md); figures/__main__.py draws it as accuracy_repeat
+REPEAT_RESULT_NAME = "smollm2-135m-repeat-r8-n1664-s0.jsonl"
+#: the figure each shipped run is drawn as (``python -m figures`` draws the same names); other runs: their file's
+FIGURE_NAMES = {DEFAULT_RESULT_NAME: "accuracy", REPEAT_RESULT_NAME: "accuracy_repeat"}
 #: The native prompt protection of each policy in the paper's grid (``random_pp``, ``attn``, ``attn_rkv``,
 #: ``rkv_official``, ``range_sink_sample_attn``, ``triattn_ph`` with the prefill pinned, ``recency_pp``); policies the
 #: grid did not run take their original papers' mode (H2O and StreamingLLM keep no prompt).
@@ -471,9 +475,9 @@ def report(config: Config, rf: ResultsFile, rows: list[dict], *, figure_name: Op
     print(f"\nrows: {rf.path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
     if not config.no_figure:
         problems = ",".join(sorted({r["problem"] for r in rows}))
-        # the default run's figure is figures/accuracy.*, as `python -m figures` draws it; any other run's is named
-        # after its results so that runs of other tasks or budgets do not overwrite it
-        name = figure_name or ("accuracy" if rf.path.name == DEFAULT_RESULT_NAME else rf.path.stem)
+        # a shipped run's figure has the name `python -m figures` draws it under; any other run's is named after its
+        # results so that runs of other tasks or budgets do not overwrite it
+        name = figure_name or FIGURE_NAMES.get(rf.path.name, rf.path.stem)
         cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs),
                  "--name", name)
 

@@ -47,6 +47,18 @@ def test_decode_reuses_the_shared_runner(tiny_dir, tmp_path):
     assert rnd["kv_bytes_end"] == 2 * (K + R) * BYTES_PER_POS and rnd["rounds_per_layer"] >= 3
     # HF's sliding window holds the last T + r - 1 pairs between steps: the same memory as the evicting cache
     assert window["window"] == K + R and window["kv_bytes_end"] == 2 * (K + R - 1) * BYTES_PER_POS
+    assert {"engine", "git", "date"} <= set(json.loads(out.read_text())["meta"])
+
+
+def test_decode_without_full_attention_runs_the_window_and_the_policies(tiny_dir, tmp_path, capsys):
+    from bench import decode
+
+    out = tmp_path / "decode.json"
+    assert decode.main(["--model", tiny_dir, "--out", str(out), "--new-tokens", "40", "--budget", str(K),
+                        "--buffer", str(R), "--batches", "2", "--no-full"]) == 0
+    assert [r["policy"] for r in _load(out)] == ["window", "random"]
+    printed = capsys.readouterr().out
+    assert "random" in printed and "wrote" in printed
 
 
 def test_equal_memory_fits_each_cache_in_the_budget(tiny_dir, tmp_path):

@@ -20,10 +20,11 @@ def test_every_figure_has_shipped_results_and_is_drawn(tmp_path, capsys, monkeyp
             assert f.exists() and f.stat().st_size > 5_000, f
 
 
-def test_the_accuracy_probe_names_its_default_figure_as_the_registry_does():
-    from probes.accuracy import DEFAULT_RESULT_NAME
+def test_the_accuracy_probe_names_its_shipped_figures_as_the_registry_does():
+    from probes.accuracy import DEFAULT_RESULT_NAME, FIGURE_NAMES
 
-    assert FIGURES["accuracy"][2] == f"accuracy/{DEFAULT_RESULT_NAME}"
+    assert FIGURES["accuracy"][2] == f"accuracy/{DEFAULT_RESULT_NAME}" and len(FIGURE_NAMES) == 2
+    assert all(FIGURES[figure][2] == f"accuracy/{result}" for result, figure in FIGURE_NAMES.items())
 
 
 def test_a_missing_result_names_the_command(tmp_path, capsys):
