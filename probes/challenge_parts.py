@@ -151,7 +151,8 @@ def question_part(ctx: Context) -> list[dict]:
 def _planted_config(ctx: Context, policy: str, **over) -> PlantedConfig:
     a = ctx.args
     return PlantedConfig(model=a.model, device=a.device, seed=a.seed, traces=a.traces, budget=a.budget,
-                         buffer=a.buffer, policy=policy, protect_prompt=a.protect_prompt, **over)
+                         buffer=a.buffer, policy=policy, protect_prompt=a.protect_prompt,
+                         stats=a.stats if ctx.options(policy) else None, **over)  # --stats reaches the policy reading it
 
 
 def planted_part(ctx: Context) -> list[dict]:
@@ -187,7 +188,7 @@ def passcode_part(ctx: Context) -> list[dict]:
     cfg = passcode.Config(model=a.model, device=a.device, seed=a.seed, traces=a.traces, budget=a.budget,
                           buffer=a.buffer, protect_prompt=a.protect_prompt, instances=n["passcode_instances"], batch=8,
                           rounds=n["rounds"], policies=tuple(ctx.policies), out=str(ctx.out / "passcode"),
-                          no_figure=True)
+                          stats=a.stats if any(ctx.options(p) for p in ctx.policies) else None, no_figure=True)
     rows_by_policy, sessions = passcode.run(cfg, *ctx.loaded)
     summary = passcode_compare(rows_by_policy, seed=a.seed)
     config = {k: rows_by_policy[REFERENCE][0]["config"][k] for k in ("model", "budget", "buffer", "protect_prompt",

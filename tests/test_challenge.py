@@ -140,3 +140,23 @@ def test_a_selector_that_evicts_the_question_loses_where_the_question_is_needed(
     rows = {r["metric"]: r for r in _verdict_rows(out)}
     digits = rows["question digit accuracy"]
     assert digits["verdict"] == "worse" and float(digits["delta_hi"]) < 0 and float(digits["p_sign"]) < 0.05
+
+
+def test_stats_reach_the_planted_and_passcode_parts(selectors, tiny_dir, tmp_path):
+    """--stats is passed to every part whose policies read it: TriAttention as a baseline on a model without shipped
+    statistics runs the planted fact and the passcode instead of refusing the model."""
+    import torch
+
+    import randattn
+    from randattn.calibrate import calibrate
+
+    model, _ = randattn.load_model(tiny_dir, device="cpu")
+    stats = tmp_path / "tiny.pt"
+    calibrate(model, [torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))],
+              progress=False).save(stats)
+    out = tmp_path / "with-stats"
+    for part in ("planted", "passcode"):
+        assert _challenge("--policy", "challengers:random_again", "--baselines", "triattention", "--stats", str(stats),
+                          "--model", tiny_dir, "--quick", "--instances", "4", "--passcode-instances", "4",
+                          "--rounds", "4", "--out", str(out), "--only", part) == 0
+    assert {r["policy"] for r in _verdict_rows(out) if r["test"] in ("planted fact", "passcode")} >= {"triattention"}
