@@ -95,9 +95,15 @@ def plot(rows: list[dict], out_dir=None, name: str = "accuracy", *, problems: Op
     policies = list(dict.fromkeys(k[0] for k in sorted(grades, key=lambda k: (k[0] != "random", k[0]))
                                   if k[0] != "full"))
     budgets = sorted({k[1] for k in grades if k[0] != "full"})
-    # The policy panel shows the budget where both protection modes ran (else the smallest); a sweep adds a panel.
+    # The policy panel shows the budget where both protection modes ran (else where the policies differ most); a
+    # sweep adds a panel.
     both = [b for b in budgets if {True, False} <= {k[2] for k in grades if k[1] == b}]
-    first = (both or budgets or [None])[0]
+
+    def spread(b):  # a sweep in one protection mode shows the budget where the policies differ most
+        acc = [_accuracy(grades[k]).value for k in grades if k[1] == b]
+        return max(acc) - min(acc), b
+
+    first = (both or ([max(budgets, key=spread)] if budgets else [None]))[0]
     style.apply()
     width = max(6.5, 0.75 * len(policies) + 3)
     fig, axes = plt.subplots(1, 2 if len(budgets) > 1 else 1, figsize=(width + (5 if len(budgets) > 1 else 0), 4.2),

@@ -162,19 +162,32 @@ def accuracy() -> list[str]:
 
 
 def accuracy_repeat() -> list[str]:
+    from randattn.analysis.repeat import DEGENERATE, copies, fidelity
+
     rel = "accuracy/smollm2-135m-repeat-r8-n1664-s0.jsonl"
     rows = read_jsonl(rel)
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     sweep = sorted({(r["budget"], r["compression"]) for r in rows if r.get("compression")}, reverse=True)
-    lengths = []
-    for pol in dict.fromkeys(r["policy"] for r in rows):
-        gen = [r["gen_len"] for r in rows if r["policy"] == pol]
-        stopped = sum(bool(r["terminated"]) for r in rows if r["policy"] == pol)
-        lengths.append(f"{pol} {sum(gen) / len(gen):,.0f} ({stopped} of {len(gen)} stopped by themselves)")
-    return table + ["", "Budgets: " + ", ".join(f"K={k} is {c:g}×" for k, c in sweep) + ". Mean generated tokens: "
-                    + "; ".join(lengths) + ". "
-                    + footer(rel, "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
-                                  "triattention vase --runs 1")]
+
+    def how(group: list[dict]) -> list[str]:
+        """How the generations ended: copies written, stopped by themselves, degenerate (one digit 30+ times in a
+        row), and the last copy's fidelity whatever the number of copies (the grade's count rule left out)."""
+        written = [copies(r["output"]) for r in group]
+        last = [fidelity(w[-1], r["answer"]) if w else 0.0 for w, r in zip(written, group)]
+        n = len(group)
+        return [f"{sum(map(len, written)) / n:.1f}", f"{sum(r['gen_len'] for r in group) / n:,.0f}",
+                f"{sum(bool(r['terminated']) for r in group)} of {n}",
+                f"{sum(bool(DEGENERATE.search(r['output'])) for r in group)} of {n}", f"{sum(last) / n:.3f}"]
+
+    arms = list(dict.fromkeys((r["policy"], r["budget"]) for r in rows))
+    detail = markdown(["method", "K", "copies written (mean)", "tokens (mean)", "stopped by itself", "degenerate",
+                       "last copy's fidelity, any count"],
+                      [[pol, "–" if k is None else str(k)] + how([r for r in rows if (r["policy"], r["budget"]) == (pol, k)])
+                       for pol, k in arms])
+    return table + ["", "Budgets: " + ", ".join(f"K={k} is {c:g}×" for k, c in sweep) + " (of the mean full-attention "
+                    "length). How the generations ended:", ""] + detail + [
+        "", footer(rel, "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
+                        "triattention vase --runs 1")]
 
 
 def prompt_budget() -> list[str]:
@@ -253,7 +266,7 @@ DECODE_HEADER = ["batch", "cache", "tokens/s, median [range]", "× full", "× wi
 def bench_decode() -> list[str]:
     out = []
     for rel, command in (("bench/decode.json", "python -m bench.decode --batches 1 --repeats 2 --threads 2"),
-                         ("bench/decode_b8.json", "python -m bench.decode --batches 8 --threads 2 --out "
+                         ("bench/decode_b8.json", "python -m bench.decode --batches 8 --no-full --threads 2 --out "
                                                   "data/results/bench/decode_b8.json")):
         if not result_path(rel).exists():
             continue
@@ -262,6 +275,33 @@ def bench_decode() -> list[str]:
                 f"{meta.get('repeats', 1)} repeat(s), {meta['torch_threads']} threads:", ""]
         out += markdown(DECODE_HEADER, _decode_rows(rel)) + ["", bench_footer(rel, command), ""]
     return out[:-1]
+
+
+def bench_equal_memory() -> list[str]:
+    rel = "bench/equal_memory.json"
+    rows = read_json(rel)["rows"]
+    body = [[CACHE_NAMES.get(r["policy"], f"`{r['policy']}`"), str(r["batch"]), f"{r['kv_bytes_peak'] / 2**20:,.1f}", f"{r['tokens_per_s']:.2f}",
+             f"{r['x_full_tokens_per_s']:.2f}", "yes" if r["fits"] else "no"] for r in rows]
+    return markdown(["cache", "batch", "peak KV MiB", "tokens/s", "× full", "within the budget"], body) + [
+        "", bench_footer(rel, "python -m bench.equal_memory --new-tokens 1024 --budget 256 --buffer 16 --base-batch 8 "
+                              "--threads 2")]
+
+
+def bench_replay() -> list[str]:
+    body, sources = [], []
+    for rel, command in (("bench/replay_speed_4096.json", "python -m bench.replay_speed --threads 2 --out "
+                                                          "data/results/bench/replay_speed_4096.json"),
+                         ("bench/replay_speed.json", "python -m bench.replay_speed --new-tokens 1024 --budget 256 "
+                                                     "--buffer 16 --policies random snapkv --threads 2")):
+        sources.append(bench_footer(rel, command))
+        for r in read_json(rel)["rows"]:
+            body.append([f"{r['budget']:,}", str(r["buffer"]), f"{r['new_tokens']:,}", f"`{r['policy']}`",
+                         f"{r['replay_seconds']:.1f} ({r['replay_forwards']})",
+                         f"{r['tokenwise_seconds']:.1f} ({r['tokenwise_forwards']:,})", f"**{r['speedup']:.1f}×**",
+                         f"{r['max_abs_logprob_diff']:.1e}", "identical" if r["same_keep_sets"] else "differ",
+                         "same" if r["same_argmax"] else "differ"])
+    return markdown(["T", "r", "trace tokens", "policy", "replay s (forwards)", "token-by-token s (forwards)",
+                     "speed-up", "max \\|Δ log-prob\\|", "keep-sets", "greedy predictions"], body) + [""] + sources
 
 
 def bench_round_cost() -> list[str]:
@@ -318,6 +358,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "survival_random": survival_random, "accuracy": accuracy, "challenge": challenge, "before_after": before_after,
     "autopsy": autopsy, "prompt_budget": prompt_budget, "bench_decode": bench_decode,
     "bench_round_cost": bench_round_cost, "bench_aims": bench_aims,
+    "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat,
 }
 

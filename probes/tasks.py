@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from randattn.analysis.repeat import copies, fidelity
+
 __all__ = ["Problem", "Grade", "Task", "TASKS", "TaskDataError", "get_task", "load_problems", "last_boxed",
            "math_equal", "grade_math", "choice_letter", "grade_choice", "shuffle_choices", "copy_numbers",
            "grade_copy", "copy_problem", "repeat_problem", "grade_repeat", "chat_ids", "problem_ids",
@@ -294,7 +296,6 @@ def grade_code(text: str, problem: Problem) -> Grade:
 REPEAT_N = 4  # numbers per line
 REPEAT_LINES = 64
 REPEAT_TEMPLATE = "Copy this line {lines} times: {line}"
-_LABELLED = re.compile(r"^\s*(\d+)\.\s*(.*)$")
 
 
 def repeat_problem(i: int, n: int = REPEAT_N) -> Problem:
@@ -313,13 +314,10 @@ def grade_repeat(text: str, problem: Problem) -> Grade:
     lost the line writes a wrong one. Text after the list (a model that stops copying and writes a sentence)
     is not a copy and is skipped. A generation with fewer than half the requested copies scores 0: its last
     copy was written early, before eviction had much to take."""
-    ref = problem.answer.split()
-    copies = [m for line in ("2." + text).split("\n")[:-1] if (m := _LABELLED.match(line))]
-    if len(copies) < REPEAT_LINES // 2:
-        return Grade(0.0, f"{len(copies)} copies" if copies else None)
-    last = copies[-1]
-    got = _FOUR_DIGITS.findall(last.group(2))
-    return Grade(sum(a == b for a, b in zip(got, ref)) / len(ref), last.group(0).strip())
+    written = copies(text)
+    if len(written) < REPEAT_LINES // 2:
+        return Grade(0.0, f"{len(written)} copies" if written else None)
+    return Grade(fidelity(written[-1], problem.answer), written[-1].group(0).strip())
 
 
 # -- the registry ---------------------------------------------------------------------------------

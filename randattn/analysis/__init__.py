@@ -7,5 +7,6 @@ The probes call these to print their tables; ``figures/`` calls them to plot. Ne
 - :mod:`randattn.analysis.survival`: survival curves and keep-log metrics pooled per policy and mode.
 - :mod:`randattn.analysis.accuracy`: accuracy per arm, paired comparisons with Random, protection gains.
 - :mod:`randattn.analysis.prompt_protection`: score-only vs protected per policy.
+- :mod:`randattn.analysis.repeat`: the numbered copies of a repeat-task answer (its grader and the docs' table).
 - :mod:`randattn.analysis.rows`: reading result files (JSONL rows, CSV summaries).
 """
