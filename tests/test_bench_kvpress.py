@@ -50,6 +50,22 @@ def test_repeats_time_every_arm_again_and_report_medians(tiny_dir, tmp_path):
     assert rnd["ours_x_full"] == pytest.approx(rnd["ours_tokens_per_s"] / sorted(full["ours_runs"])[1])
 
 
+def test_no_full_times_the_evicting_arms_only(tiny_dir, tmp_path, capsys):
+    from bench import kvpress_peer
+
+    out = tmp_path / "peer.json"
+    assert kvpress_peer.main(["--model", tiny_dir, "--skip-peer", "--out", str(out), "--new-tokens", "24",
+                              "--budget", str(K), "--buffer", str(R), "--batches", "2", "--policies", "random",
+                              "--no-full", "--check-tokens", "0"]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["batch"], r["policy"]) for r in data["rows"]] == [(2, "random")]
+    [rnd] = data["comparison"]
+    assert rnd["ours_tokens_per_s"] > 0 and rnd["ours_x_full"] is None
+    assert kvpress_peer.peer_request(kvpress_peer.parse_args(["--no-full"])[1], torch.tensor([[1, 2]]), 8,
+                                     check=False)["full"] is False
+    assert "random" in capsys.readouterr().out  # the table prints without ratios to full attention
+
+
 def test_medians_pair_each_side_with_its_own_full_attention():
     from bench.kvpress_peer import ratio_rows
 
@@ -83,8 +99,10 @@ def _request(**over):
 
 def test_worker_request_parsing():
     req = worker.parse_request(_request())
-    assert req["check_tokens"] == 0 and req["threads"] is None and req["n_sink"] == 4
+    assert req["check_tokens"] == 0 and req["threads"] is None and req["n_sink"] == 4 and req["full"] is True
+    assert worker.parse_request(_request(full=False))["full"] is False
     bad = {
+        "'full' must be bool": _request(full=0),
         "lacks 'budget'": _request(budget=None),
         "'batch' must be int": _request(batch="1"),
         "'buffer' must be positive": _request(buffer=0),

@@ -96,11 +96,14 @@ def test_a_killed_probe_resumes_to_the_uninterrupted_rows(probe, flags, tiny_dir
     killed = _kill_once_rows_exist([f"probes.{probe}", "--model", tiny_dir, "--out", str(cut), *flags],
                                    lambda: list(cut.glob("*.jsonl")), seed=len(probe))
     partial = _count_lines(cut.glob("*.jsonl"))
+    total = _count_lines([whole])
+    # The kill must land mid-run, or the resume below is never exercised.
+    assert killed and 0 < partial < total, f"killed={killed} with {partial} of {total} rows: make the run longer"
     assert main(["--model", tiny_dir, "--out", str(cut), *flags]) == 0  # resume
     (resumed,) = list(cut.glob("*.jsonl"))
     assert resumed.name == whole.name
     a, b = _measured(_rows(whole)), _measured(_rows(resumed))
-    assert b == a, f"killed={killed} after {partial} rows"
+    assert b == a, f"killed after {partial} rows"
     assert not resumed.read_bytes() or resumed.read_bytes().endswith(b"\n")
 
 
@@ -125,10 +128,11 @@ def test_a_killed_local_grid_and_a_damaged_item_resume_to_the_uninterrupted_rows
     assert grid.main([str(grid_spec), "--out", str(tmp_path / "whole"), *flags]) == 0
     whole = _grid_rows(tmp_path / "whole")
     cut = tmp_path / "cut"
-    _kill_once_rows_exist(["probes.grid", str(grid_spec), "--out", str(cut), *flags],
-                          lambda: list((cut / "items").glob("*/*.json")), seed=3)
+    killed = _kill_once_rows_exist(["probes.grid", str(grid_spec), "--out", str(cut), *flags],
+                                   lambda: list((cut / "items").glob("*/*.json")), seed=3)
     items = sorted((cut / "items").glob("*/*.json"))
-    assert items
+    total = len(list((tmp_path / "whole" / "items").glob("*/*.json")))
+    assert killed and 0 < len(items) < total, f"killed={killed} with {len(items)} of {total} items: make the grid longer"
     items[0].write_text(items[0].read_text()[:25])  # a damaged item (cut short)
     capsys.readouterr()
     assert grid.main([str(grid_spec), "--out", str(cut), *flags]) == 0
