@@ -46,7 +46,7 @@ def _full_line(ax, grades: dict) -> None:
         ax.axhspan(est.lo, est.hi, color="gray", alpha=0.12, lw=0)
 
 
-def _one_budget(ax, grades: dict, policies: list[str], budget: int) -> None:
+def _one_budget(ax, grades: dict, policies: list[str], budget: int, colors: dict) -> None:
     for protect, dx, face, label in ((True, -0.15, None, "+ prompt protection"), (False, 0.15, "white", "score only")):
         if any(k[2] is protect for k in grades):
             ax.plot([], [], "o", color="black", mfc=face, label=label)  # legend entry in neutral colour
@@ -55,22 +55,21 @@ def _one_budget(ax, grades: dict, policies: list[str], budget: int) -> None:
             if key not in grades:
                 continue
             est = _accuracy(grades[key])
-            style.errorbar(ax, x + dx, est, color=style.PALETTE[1] if pol == "random" else style.PALETTE[0],
-                           mfc=face)
+            style.errorbar(ax, x + dx, est, color=colors[pol], mfc=face)
             if _significant(grades, key):
                 ax.text(x + dx, est.hi + 0.01, "*", ha="center", fontsize=12)
     ax.set_xticks(range(len(policies)), policies, rotation=30, ha="right")
     ax.set_xlabel(f"policy (K={budget})")
 
 
-def _sweep(ax, grades: dict, policies: list[str]) -> None:
+def _sweep(ax, grades: dict, policies: list[str], colors: dict) -> None:
     for i, pol in enumerate(policies):
         pts = sorted((k[1], k) for k in grades if k[0] == pol and k[2] is not False)
         if not pts:
             continue
         ests = [_accuracy(grades[k]) for _, k in pts]
         xs = [b for b, _ in pts]
-        color = style.PALETTE[i % len(style.PALETTE)]
+        color = colors[pol]
         marker = "os^vD<>pX*"[i % 10]  # the palette has 10 colours; markers keep lines apart in grey print
         ax.plot(xs, [e.value for e in ests], "-", marker=marker, ms=4, color=color, label=pol,
                 lw=2.2 if pol == "random" else 1)
@@ -108,14 +107,15 @@ def plot(rows: list[dict], out_dir=None, name: str = "accuracy", *, problems: Op
     width = max(6.5, 0.75 * len(policies) + 3)
     fig, axes = plt.subplots(1, 2 if len(budgets) > 1 else 1, figsize=(width + (5 if len(budgets) > 1 else 0), 4.2),
                              squeeze=False, gridspec_kw={"width_ratios": [width, 5][:1 + (len(budgets) > 1)]})
-    _one_budget(axes[0, 0], grades, policies, first)
+    colors = {pol: style.PALETTE[i % len(style.PALETTE)] for i, pol in enumerate(policies)}  # one per policy, both panels
+    _one_budget(axes[0, 0], grades, policies, first, colors)
     if len(budgets) > 1:
-        _sweep(axes[0, 1], grades, policies)
+        _sweep(axes[0, 1], grades, policies, colors)
     for ax in axes[0]:
         _full_line(ax, grades)
         ax.set_ylabel(f"accuracy ({rows[0]['task']})")
         ax.set_ylim(0, 1.08)
-        ax.legend(fontsize=7 if ax is not axes[0, 0] else 8, loc="lower left" if ax is axes[0, 0] else "lower right")
+        ax.legend(fontsize=7 if ax is not axes[0, 0] else 8, loc="best")  # wherever it covers the fewest points
     c = rows[0]["config"]
     n_prob = len({r["problem"] for r in rows})
     n_runs = len({r["run"] for r in rows})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -232,8 +233,6 @@ def autopsy() -> list[str]:
 
 def _median_rows(rows: list[dict]) -> dict:
     """``{(batch, policy): (median, min, max, first row)}`` of tokens/s over a benchmark's repeats."""
-    import statistics
-
     out: dict = {}
     for r in rows:
         out.setdefault((r["batch"], r["policy"]), []).append(r)
@@ -306,28 +305,50 @@ def bench_memory() -> list[str]:
         "", bench_footer(rel, "python -m bench.memory --threads 1")]
 
 
+KVPRESS_PAPER = ("bench/kvpress_peer_paper_b1.json", "bench/kvpress_peer_paper.json")  # batch 1, batch 8
+
+
+def _kvpress_command(rel: str, data: dict) -> str:
+    meta, rows = data["meta"], data["rows"]
+    no_full = "" if any(r["policy"] == "full" for r in rows) else " --no-full"
+    n = max(c["repeats"] for c in data["comparison"])
+    repeats = f" --repeats {n}" if n > 1 else ""
+    return (f"python -m bench.kvpress_peer --new-tokens {meta['new_tokens']} --budget {meta['budget']} --buffer "
+            f"{meta['buffer']} --batches {' '.join(map(str, meta['batches']))}{repeats} --policies "
+            f"{' '.join(meta['policies'])}{no_full} --check-tokens {meta['check_tokens']} --threads "
+            f"{meta['torch_threads']} --out data/results/{rel}")
+
+
 def bench_kvpress() -> list[str]:
-    """The kvpress peer at the paper's setting: each side's tokens/s, time in rounds and ours / kvpress."""
-    rel = "bench/kvpress_peer_paper.json"
-    data = read_json(rel)
-    rows = {(r["side"], r["batch"], r["policy"]): r for r in data["rows"]}
-    body = []
-    for c in data["comparison"]:
-        ours, peer = rows[("ours", c["batch"], c["policy"])], rows.get(("kvpress", c["batch"], c["policy"]))
-        share = (lambda r: f"{100 * r['round_share']:.2f}%" if r and "round_share" in r else "–")
-        body.append([str(c["batch"]), CACHE_NAMES.get(c["policy"], f"`{c['policy']}`"),
-                     f"{c['ours_tokens_per_s']:.2f}", share(ours), f(c["kvpress_tokens_per_s"], 2), share(peer),
-                     f"**{f(c['ours_over_kvpress'], 2)}**", f"{ours.get('rounds_per_layer', 0):g}",
-                     f"{peer['rounds_per_layer']:g}" if peer and "rounds_per_layer" in peer else "–"])
-    meta = data["meta"]
-    command = (f"python -m bench.kvpress_peer --new-tokens {meta['new_tokens']} --budget {meta['budget']} "
-               f"--buffer {meta['buffer']} --batches {' '.join(map(str, meta['batches']))} --policies "
-               f"{' '.join(meta['policies'])}{'' if 'full' in (r['policy'] for r in data['rows']) else ' --no-full'} "
-               f"--check-tokens {meta['check_tokens']} --threads {meta['torch_threads']} --out "
-               f"data/{'results/' + rel}")
-    return markdown(["batch", "policy", "ours tokens/s", "ours: time in rounds", "kvpress tokens/s",
-                     "kvpress: time in rounds", "ours / kvpress", "rounds per layer (ours)",
-                     "rounds per layer (kvpress)"], body) + ["", bench_footer(rel, command)]
+    """The kvpress peer at the paper's setting: each side's tokens/s (median [range] over the repeats), time in
+    rounds and ours / kvpress."""
+    body, sources = [], []
+    for rel in KVPRESS_PAPER:
+        if not result_path(rel).exists():
+            continue
+        data = read_json(rel)
+        by_arm: dict = {}
+        for r in data["rows"]:
+            by_arm.setdefault((r["side"], r["batch"], r["policy"]), []).append(r)
+
+        def tok_s(runs_):
+            return f"{min(runs_):.2f}" if len(runs_) == 1 else (
+                f"{statistics.median(runs_):.2f} [{min(runs_):.2f}, {max(runs_):.2f}]")
+
+        def share(arm):
+            return "–" if not arm or "round_share" not in arm[0] else \
+                f"{100 * statistics.median(x['round_share'] for x in arm):.2f}%"
+
+        for c in data["comparison"]:
+            ours, peer = by_arm[("ours", c["batch"], c["policy"])], by_arm.get(("kvpress", c["batch"], c["policy"]))
+            body.append([str(c["batch"]), CACHE_NAMES.get(c["policy"], f"`{c['policy']}`"), str(c["repeats"]),
+                         tok_s(c["ours_runs"]), share(ours), tok_s(c["kvpress_runs"]) if c["kvpress_runs"] else "–",
+                         share(peer), f"**{f(c['ours_over_kvpress'], 2)}**", f"{ours[0].get('rounds_per_layer', 0):g}",
+                         f"{peer[0]['rounds_per_layer']:g}" if peer and "rounds_per_layer" in peer[0] else "–"])
+        sources.append(bench_footer(rel, _kvpress_command(rel, data)))
+    return markdown(["batch", "policy", "runs per side", "ours tokens/s", "ours: time in rounds", "kvpress tokens/s",
+                     "kvpress: time in rounds", "ours / kvpress (medians)", "rounds per layer (ours)",
+                     "rounds per layer (kvpress)"], body) + [""] + sources
 
 
 def bench_kvpress_order() -> list[str]:
