@@ -1,45 +1,38 @@
-"""A code grader for LiveCodeBench-style problems: run a candidate program against each test in a subprocess.
+"""A code grader for LiveCodeBench-style problems: run a candidate program against each test in a sandbox.
 
-Every test runs in a fresh ``python -I`` subprocess in an empty temporary folder, with
+Every test runs in a fresh operating-system sandbox (:mod:`probes.sandbox`, bubblewrap): a read-only view of the
+system and the Python installation alone, a private empty ``/tmp`` as the only writable place and working folder,
+no network, its own PID namespace, an unprivileged user, and hard limits on wall-clock and CPU time, memory,
+file size, processes and output bytes; the whole process tree is killed at the wall clock. Only the program and
+the test's input go in: the expected output stays here and is compared here. Where the sandbox does not work,
+grading refuses (:class:`SandboxUnavailable`, with the install command ``apt-get install bubblewrap``) unless
+``unsafe=True`` (``--unsafe-code-grading``): then programs run as plain limited subprocesses, without isolation.
 
-- a wall-clock limit (the process group is killed when it passes; verdict ``timeout``) and a CPU-time limit,
-- an address-space limit (``RLIMIT_AS``; allocating past it raises ``MemoryError``: verdict ``error``),
-- a file-size limit, and an audit hook (PEP 578, installed before the program runs and impossible to remove)
-  that refuses writing, deleting or renaming anything outside the temporary folder, opening sockets,
-  starting processes and importing ``ctypes``,
-- no network: where ``unshare -rn`` works (Linux user namespaces) the process has a network namespace of its
-  own with nothing in it; elsewhere the audit hook's socket refusal is all there is.
-
-Verdicts per test: ``pass``, ``wrong_answer``, ``error`` (an exception, a refused operation, the memory limit)
-and ``timeout``, each with a one-line detail. This guards against programs that misbehave by accident (loops,
-runaway allocation, stray files); it is not a security boundary against hostile code: run untrusted models'
-programs in a container or VM for that.
+Verdicts per test: ``pass``, ``wrong_answer``, ``error`` (an exception, a refused operation, the memory or output
+limit) and ``timeout`` (the wall-clock or CPU limit), each with a one-line detail.
 
 Test kinds (LiveCodeBench's ``testtype``): ``stdin`` feeds ``input`` on standard input and compares standard
 output with ``output`` line by line, whitespace-separated tokens, numbers within 1e-6; ``functional`` calls
-``Solution().<fn_name>(*args)`` with the arguments given one JSON value per line of ``input`` and compares the
-result with the JSON ``output``.
+``Solution().<fn_name>(*args)`` with the arguments given one JSON value per line of ``input`` (fed on standard
+input to a small runner in the sandbox) and compares the JSON it prints with the JSON ``output``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["TestResult", "run_tests", "extract_program", "outputs_match", "network_isolation"]
+from .sandbox import INSTALL, Limits, SandboxUnavailable, run_python, unavailable
+
+__all__ = ["TestResult", "run_tests", "run_test", "extract_program", "outputs_match", "network_isolation",
+           "SandboxUnavailable", "INSTALL"]
 
 VERDICTS = ("pass", "wrong_answer", "error", "timeout")
+RESULT_MARK = "<<<result>>>"
 
 
 @dataclass(frozen=True)
@@ -52,87 +45,24 @@ class TestResult:
         return asdict(self)
 
 
-# What the child runs before the program: resource limits are set by the parent; this adds the audit hook.
+# The functional runner, in the sandbox beside solution.py: the arguments come on standard input.
 _RUNNER = r'''
-import builtins, io, json, os, sys
-ROOT = os.path.realpath(os.getcwd())
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_DENY = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "subprocess.Popen", "os.system",
-         "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn"}
-_PATHS = {"os.remove", "os.rename", "os.replace", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
-          "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-
-def _inside(path):
-    try:
-        p = os.path.realpath(os.fsdecode(path)) if not isinstance(path, int) else None
-    except Exception:
-        return False
-    return p is None or p == ROOT or p.startswith(ROOT + os.sep) or p == "/dev/null"
-
-def _hook(event, args):
-    if event == "open":
-        path, mode, flags = (list(args) + [None, None, None])[:3]
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS)
-        if writes and not _inside(path):
-            raise PermissionError(f"sandbox: writing outside the working folder is refused ({path})")
-    elif event in _PATHS:
-        for a in args:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a):
-                raise PermissionError(f"sandbox: {event} outside the working folder is refused ({a})")
-    elif event in _DENY:
-        raise PermissionError(f"sandbox: {event} is refused")
-    elif event == "import" and args and str(args[0]).split(".")[0] in ("ctypes", "_ctypes"):
-        raise PermissionError("sandbox: importing ctypes is refused")
-
-def _close(a, b):
-    if a == b:
-        return True
-    try:
-        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6)
-    except (TypeError, ValueError):
-        return False
-
-import math
-mode, fn_name = sys.argv[1], sys.argv[2]
-source = open("solution.py").read()
-test = json.load(open("test.json"))
-sys.addaudithook(_hook)
-if mode == "stdin":
-    sys.stdin = io.StringIO(test["input"])
-    glb = {"__name__": "__main__"}
-    exec(compile(source, "solution.py", "exec"), glb)
-else:
-    glb = {"__name__": "solution"}
-    exec(compile(source, "solution.py", "exec"), glb)
-    args = [json.loads(line) for line in test["input"].split("\n") if line.strip()]
-    if "Solution" not in glb:
-        raise NameError("no class Solution defined")
-    result = getattr(glb["Solution"](), fn_name)(*args)
-    sys.__stdout__.write("\n<<<result>>>" + json.dumps(result) + "\n")
+import json, os, sys
+source = open(os.path.join(os.path.dirname(__file__), "solution.py")).read()
+args = [json.loads(line) for line in sys.stdin.read().split("\n") if line.strip()]
+glb = {"__name__": "solution"}
+exec(compile(source, "solution.py", "exec"), glb)
+if "Solution" not in glb:
+    raise NameError("no class Solution defined")
+result = getattr(glb["Solution"](), sys.argv[1])(*args)
+sys.__stdout__.write("\n<<<result>>>" + json.dumps(result) + "\n")
 '''
 
 
-@functools.lru_cache(maxsize=1)
 def network_isolation() -> str:
-    """``"namespace"`` when ``unshare -rn`` gives programs a network namespace of their own here, else ``"hook"``."""
-    try:
-        ok = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return "namespace" if ok else "hook"
-
-
-def _limits(memory_mb: int, cpu_seconds: int, file_mb: int):
-    def apply():
-        import resource
-
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 2**20, file_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+    """``"namespace"`` when programs run in the sandbox here (a network namespace with loopback alone), else
+    ``"none"`` (grading refuses, or with ``unsafe=True`` programs reach the network)."""
+    return "none" if unavailable() else "namespace"
 
 
 def _tokens(text: str) -> list[list[str]]:
@@ -177,70 +107,64 @@ def _last_line(text: str) -> str:
 
 
 def run_test(program: str, test: dict, *, fn_name: Optional[str] = None, timeout: float = 6.0,
-             memory_mb: int = 1024, file_mb: int = 16) -> TestResult:
-    """One test in a fresh sandboxed subprocess (see the module docstring)."""
+             memory_mb: int = 1024, file_mb: int = 16, processes: int = 16, output_mb: int = 16,
+             unsafe: bool = False) -> TestResult:
+    """One test in a fresh sandbox (see the module docstring); ``unsafe`` runs it without isolation."""
     kind = test.get("testtype", "stdin")
     if kind not in ("stdin", "functional"):
         raise ValueError(f"unknown test type {kind!r}: expected 'stdin' or 'functional'")
     if kind == "functional" and not fn_name:
         raise ValueError("a functional test needs the function name (the problem's metadata 'func_name')")
-    with tempfile.TemporaryDirectory(prefix="randattn-code-") as tmp:
-        work = Path(tmp) / "work"
-        work.mkdir()
-        (work / "solution.py").write_text(program)
-        (work / "test.json").write_text(json.dumps(test))
-        (Path(tmp) / "runner.py").write_text(_RUNNER)
-        cmd = [sys.executable, "-I", "-B", str(Path(tmp) / "runner.py"), kind, fn_name or "-"]
-        if network_isolation() == "namespace":
-            cmd = ["unshare", "-rn", *cmd]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=_limits(memory_mb, int(math.ceil(timeout)) + 1,
-                                                                            file_mb))
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-            return TestResult("timeout", f"no answer within {timeout:g} s wall-clock", time.perf_counter() - t0)
-        seconds = time.perf_counter() - t0
-    out_text = out.decode("utf-8", errors="replace")
-    err_text = err.decode("utf-8", errors="replace")
-    if proc.returncode != 0:
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-            return TestResult("timeout", f"CPU-time limit ({int(math.ceil(timeout)) + 1} s)", seconds)
-        detail = _last_line(err_text) or f"exit status {proc.returncode}"
+    limits = Limits(seconds=timeout, memory_mb=memory_mb, file_mb=file_mb, processes=processes, output_mb=output_mb)
+    stdin = str(test.get("input", "")).encode()
+    if kind == "stdin":
+        o = run_python({"solution.py": program}, "solution.py", [], stdin, limits, unsafe=unsafe)
+    else:
+        o = run_python({"solution.py": program, "runner.py": _RUNNER}, "runner.py", [fn_name], stdin, limits,
+                       unsafe=unsafe)
+    return _verdict(o, test, kind, limits)
+
+
+def _verdict(o, test: dict, kind: str, limits: Limits) -> TestResult:
+    if o.stopped == "timeout":
+        return TestResult("timeout", f"no answer within {limits.seconds:g} s wall-clock", o.seconds)
+    if o.stopped == "output":
+        return TestResult("error", f"output limit: more than {limits.output_mb} MiB printed", o.seconds)
+    out_text = o.stdout.decode("utf-8", errors="replace")
+    err_text = o.stderr.decode("utf-8", errors="replace")
+    if o.status != 0:
+        if o.status in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+            return TestResult("timeout", f"CPU-time limit ({limits.cpu_seconds} s)", o.seconds)
+        detail = _last_line(err_text) or f"exit status {o.status}"
         if "MemoryError" in err_text:
-            detail = f"MemoryError: the memory limit of {memory_mb} MiB was reached"
-        return TestResult("error", detail, seconds)
+            detail = f"MemoryError: the memory limit of {limits.memory_mb} MiB was reached"
+        return TestResult("error", detail, o.seconds)
     if kind == "stdin":
         ok = outputs_match(out_text, str(test.get("output", "")))
         return TestResult("pass" if ok else "wrong_answer",
                           "" if ok else f"printed {_last_line(out_text)!r}, expected {_last_line(str(test['output']))!r}",
-                          seconds)
-    marker = out_text.rfind("<<<result>>>")
+                          o.seconds)
+    marker = out_text.rfind(RESULT_MARK)
     if marker < 0:
-        return TestResult("error", "the function returned nothing readable", seconds)
+        return TestResult("error", "the function returned nothing readable", o.seconds)
     try:
-        got = json.loads(out_text[marker + len("<<<result>>>"):].strip())
+        got = json.loads(out_text[marker + len(RESULT_MARK):].strip())
     except json.JSONDecodeError:
-        return TestResult("error", "the function's result is not JSON-serialisable", seconds)
+        return TestResult("error", "the function's result is not JSON-serialisable", o.seconds)
     expected = json.loads(test["output"]) if isinstance(test.get("output"), str) else test.get("output")
     ok = _same_value(got, expected)
     return TestResult("pass" if ok else "wrong_answer", "" if ok else f"returned {got!r}, expected {expected!r}",
-                      seconds)
+                      o.seconds)
 
 
 def run_tests(program: str, tests: Sequence[dict], *, fn_name: Optional[str] = None, timeout: float = 6.0,
-              memory_mb: int = 1024, stop_at_first_failure: bool = True) -> list[TestResult]:
-    """Every test of one program (by default stopping at the first that does not pass, as pass@1 needs no more)."""
+              memory_mb: int = 1024, stop_at_first_failure: bool = True, unsafe: bool = False) -> list[TestResult]:
+    """Every test of one program (by default stopping at the first that does not pass, as pass@1 needs no more).
+    Raises :class:`SandboxUnavailable` (with the install command) where the sandbox does not work, unless
+    ``unsafe``."""
     results = []
     for test in tests:
-        results.append(run_test(program, test, fn_name=fn_name, timeout=timeout, memory_mb=memory_mb))
+        results.append(run_test(program, test, fn_name=fn_name, timeout=timeout, memory_mb=memory_mb, unsafe=unsafe))
         if stop_at_first_failure and results[-1].verdict != "pass":
             break
     return results

@@ -26,9 +26,10 @@ Graders:
 - **choice** (GPQA-Diamond): the four options are shuffled deterministically per problem id
   (``random.Random("gpqa:" + id)``), presented as ``A) .. D)``; the graded letter is the last
   ``Answer: X``, ``\\boxed{X}`` or ``answer is (X)`` in the output.
-- **code** (LiveCodeBench): the last fenced program of the output is run against every test in a sandboxed
-  subprocess (:mod:`probes.code_grader`: wall-clock, CPU and memory limits, no network, writes only in its
-  temporary folder); 1 when every test passes, with the per-test verdicts in the row.
+- **code** (LiveCodeBench): the last fenced program of the output is run against every test in an operating-system
+  sandbox (:mod:`probes.code_grader`, bubblewrap: read-only system, a private empty ``/tmp``, no network, limits on
+  time, memory, processes and output; the expected outputs stay outside); 1 when every test passes, with the
+  per-test verdicts in the row.
 - **repeat**: the last complete numbered line (the model's last copy), scored as the fraction of the line's numbers
   in place; text after the list is skipped, and fewer than half the requested copies score 0.
 - **copy**: the fraction of the ``n`` reference numbers the output reproduces in order (the first
@@ -277,15 +278,16 @@ def code_problem(row: dict, index: int) -> Problem:
     return Problem(pid, prompt, f"{len(tests)} tests", "code", data={"tests": tests, "fn_name": meta.get("func_name")})
 
 
-def grade_code(text: str, problem: Problem) -> Grade:
+def grade_code(text: str, problem: Problem, *, unsafe: bool = False) -> Grade:
     """1 when the last fenced program in the output passes every test (pass@1), else 0; the per-test verdicts
-    (``pass``, ``wrong_answer``, ``error``, ``timeout``) up to the first failure go into the row."""
+    (``pass``, ``wrong_answer``, ``error``, ``timeout``) up to the first failure go into the row. The programs run
+    in the sandbox (``unsafe``: without it, see :mod:`probes.code_grader`)."""
     from .code_grader import extract_program, run_tests
 
     program = extract_program(text)
     if program is None:
         return Grade(0.0, None, [])
-    results = run_tests(program, problem.data["tests"], fn_name=problem.data.get("fn_name"))
+    results = run_tests(program, problem.data["tests"], fn_name=problem.data.get("fn_name"), unsafe=unsafe)
     passed = all(r.verdict == "pass" for r in results) and len(results) == len(problem.data["tests"])
     summary = f"{sum(r.verdict == 'pass' for r in results)}/{len(problem.data['tests'])} pass" + (
         "" if passed else f"; test {len(results)}: {results[-1].verdict} {results[-1].detail}")
@@ -342,7 +344,7 @@ TASKS: dict[str, Task] = {
     "livecodebench": Task("livecodebench", "code", 3072, 32768, grade_code,
                           hf=HFSource("livecodebench/code_generation_lite", "test", "release_v6"),
                           description="LiveCodeBench v6, medium problems, programs run against the tests in a "
-                                      "sandboxed subprocess (probes/code_grader.py), pass@1", paper_runs=4,
+                                      "bubblewrap sandbox (probes/code_grader.py), pass@1", paper_runs=4,
                           select=lambda row: str(row.get("difficulty", "medium")).lower() == "medium"),
     "copy": Task("copy", "copy", 256, 6 * COPY_N + 24, grade_copy, buffer=16,
                  description=f"repeat a list of {COPY_N} random four-digit numbers from the prompt (embedded model)",

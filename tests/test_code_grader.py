@@ -1,12 +1,34 @@
-"""The LiveCodeBench grader: known-good and known-bad programs, each with the verdict it must get, and nothing
-written outside the sandbox's folder."""
+"""The LiveCodeBench grader: known-good and known-bad programs, each with the verdict it must get, nothing written
+outside the sandbox, and the refusal where the sandbox is missing (the attacks: tests/test_sandbox_attacks.py)."""
 
 import json
+import shutil
 
 import pytest
 
-from probes.code_grader import extract_program, network_isolation, outputs_match, run_test, run_tests
+from probes import sandbox
+from probes.code_grader import (SandboxUnavailable, extract_program, network_isolation, outputs_match, run_test,
+                                run_tests)
 from probes.tasks import code_problem, grade_code
+
+
+@pytest.fixture
+def sandboxed():
+    """Skips where bwrap is not installed (CI installs it: .ci/run); fails where it is and does not work."""
+    if shutil.which("bwrap") is None:
+        pytest.skip(f"bubblewrap is not installed ({sandbox.INSTALL})")
+    assert sandbox.unavailable() is None, sandbox.unavailable()
+
+
+@pytest.fixture
+def no_bwrap(monkeypatch):
+    """bwrap looks missing: its check is redone without it, and redone again afterwards."""
+    real = shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "bwrap" else real(name))
+    sandbox._probe.cache_clear()
+    yield
+    monkeypatch.undo()
+    sandbox._probe.cache_clear()
 
 STDIN = {"input": "3 4\n", "output": "7\n", "testtype": "stdin"}
 FUNCTIONAL = {"input": "[1, 2, 3]\n4", "output": "10", "testtype": "functional"}
@@ -18,41 +40,79 @@ FUNCTIONAL = {"input": "[1, 2, 3]\n4", "output": "10", "testtype": "functional"}
     ("wrong answer", "a, b = map(int, input().split())\nprint(a * b)\n", "wrong_answer", "printed '12', expected '7'"),
     ("exception", "raise ValueError('boom')\n", "error", "ValueError: boom"),
     ("syntax error", "def f(:\n", "error", "SyntaxError"),
-    ("loops forever", "while True:\n    pass\n", "timeout", "no answer within 2 s"),
-    ("sleeps forever", "import time\ntime.sleep(1000)\n", "timeout", "no answer within 2 s"),
+    ("loops forever", "while True:\n    pass\n", "timeout", "no answer within 4 s"),
+    ("sleeps forever", "import time\ntime.sleep(1000)\n", "timeout", "no answer within 4 s"),
     ("allocates without bound", "x = []\nwhile True:\n    x.append(bytearray(10**7))\n", "error", "MemoryError"),
-    ("opens a socket", "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n", "error", "sandbox"),
-    ("starts a process", "import subprocess\nsubprocess.run(['true'])\nprint(7)\n", "error", "sandbox"),
-    ("imports ctypes", "import ctypes\nprint(7)\n", "error", "ctypes"),
+    ("opens a socket", "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n", "error",
+     "Network is unreachable"),
+    # processes and ctypes are harmless inside the sandbox: allowed, up to the process limit
+    ("starts a process", "import subprocess\nsubprocess.run(['true'], check=True)\nprint(7)\n", "pass", ""),
+    ("imports ctypes", "import ctypes\nprint(7)\n", "pass", ""),
     ("writes in its own folder", "open('s.txt', 'w').write('7')\nprint(open('s.txt').read())\n", "pass", ""),
+    ("prints past the output limit", "import sys\nwhile True:\n    sys.stdout.write('7' * 65536)\n", "error",
+     "output limit: more than 1 MiB"),
+    ("reads its input as bytes", "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nprint(a + b)\n",
+     "pass", ""),
 ])
-def test_verdicts(name, program, verdict, detail):
-    r = run_test(program, STDIN, timeout=2, memory_mb=512)
+def test_verdicts(name, program, verdict, detail, sandboxed):
+    r = run_test(program, STDIN, timeout=4, memory_mb=256, output_mb=1)
     assert r.verdict == verdict, (name, r)
     assert detail in r.detail, (name, r)
 
 
-def test_a_program_that_writes_outside_its_folder_is_refused_and_writes_nothing(tmp_path):
+def test_a_program_that_writes_outside_its_folder_fails_and_writes_nothing(tmp_path, sandboxed):
     target = tmp_path / "outside.txt"
+    (tmp_path / "kept.txt").write_text("mine")
     for program in (f"open({str(target)!r}, 'w').write('x')\nprint(7)\n",
                     f"import os\nos.makedirs({str(tmp_path / 'made')!r})\nprint(7)\n",
                     f"import shutil\nshutil.rmtree({str(tmp_path)!r})\nprint(7)\n",
                     "open('../../escape.txt', 'w').write('x')\nprint(7)\n"):
-        r = run_test(program, STDIN, timeout=5)
-        assert r.verdict == "error" and "sandbox" in r.detail, r
-    assert not target.exists() and not (tmp_path / "made").exists() and tmp_path.is_dir()
+        # the host's folders are not in the sandbox at all (a path under /tmp is one in its own private /tmp)
+        assert run_test(program, STDIN, timeout=5).verdict in ("pass", "error")
+    r = run_test("import sys\nopen(sys.executable + '.x', 'w')\n", STDIN, timeout=5)
+    assert r.verdict == "error" and "Read-only file system" in r.detail, r  # the system and Python are read-only
+    assert not target.exists() and not (tmp_path / "made").exists() and (tmp_path / "kept.txt").read_text() == "mine"
+    assert not list(tmp_path.parents[-2].glob("escape.txt"))
 
 
-def test_the_network_is_cut_where_namespaces_exist():
-    if network_isolation() != "namespace":
-        pytest.skip("no user namespaces here: only the audit hook refuses sockets")
-    # even before the audit hook could refuse it, the interface list of the namespace has loopback alone
+def test_the_network_is_cut(sandboxed):
+    assert network_isolation() == "namespace"
+    # the network namespace has its loopback interface alone
     r = run_test("print([l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]])\n",
                  {**STDIN, "output": "['lo']"}, timeout=5)
     assert r.verdict == "pass", r
 
 
-def test_functional_tests_call_the_solution_method():
+def test_without_bwrap_grading_is_refused_with_the_install_command_unless_unsafe(no_bwrap):
+    assert network_isolation() == "none"
+    with pytest.raises(SandboxUnavailable, match="`bwrap` is not on PATH.*apt-get install bubblewrap.*"
+                                                 "--unsafe-code-grading"):
+        run_tests("print(7)\n", [STDIN])
+    # unsafe: a plain limited subprocess, the same verdicts for ordinary programs
+    good, wrong = "a, b = map(int, input().split())\nprint(a + b)\n", "print(8)\n"
+    assert [r.verdict for r in run_tests(good, [STDIN], unsafe=True)] == ["pass"]
+    assert [r.verdict for r in run_tests(wrong, [STDIN], unsafe=True)] == ["wrong_answer"]
+    slow = run_test("while True:\n    pass\n", STDIN, timeout=1, unsafe=True)
+    assert slow.verdict == "timeout" and slow.seconds < 2, slow
+
+
+def test_the_accuracy_harness_refuses_a_code_task_before_loading_a_model(no_bwrap, tmp_path, capsys):
+    from probes import accuracy
+
+    data = tmp_path / "lcb.jsonl"
+    data.write_text(json.dumps({"question_id": "q", "question_content": "Add.", "public_test_cases": [STDIN]}) + "\n")
+    argv = ["--task", "livecodebench", "--data", str(data), "--model", str(tmp_path / "no-model"), "--out",
+            str(tmp_path / "out"), "--no-figure", "--policy", "random"]
+    with pytest.raises(SystemExit) as exit_:
+        accuracy.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert "--task: livecodebench runs the generated programs; grading code needs the bubblewrap sandbox" in err
+    assert "apt-get install bubblewrap" in err and "--unsafe-code-grading" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_functional_tests_call_the_solution_method(sandboxed):
     good = "class Solution:\n    def total(self, xs, y):\n        return sum(xs) + y\n"
     assert run_test(good, FUNCTIONAL, fn_name="total").verdict == "pass"
     bad = run_test(good.replace("sum(xs) + y", "0"), FUNCTIONAL, fn_name="total")
@@ -62,7 +122,7 @@ def test_functional_tests_call_the_solution_method():
         run_test(good, FUNCTIONAL)
 
 
-def test_run_tests_stops_at_the_first_failure():
+def test_run_tests_stops_at_the_first_failure(sandboxed):
     tests = [STDIN, {**STDIN, "output": "8"}, STDIN]
     res = run_tests("a, b = map(int, input().split())\nprint(a + b)\n", tests)
     assert [r.verdict for r in res] == ["pass", "wrong_answer"]
@@ -76,7 +136,7 @@ def test_output_comparison_and_extraction():
     assert extract_program("no code here") is None
 
 
-def test_livecodebench_rows_become_problems_graded_by_their_tests():
+def test_livecodebench_rows_become_problems_graded_by_their_tests(sandboxed):
     import base64
     import pickle
     import zlib
