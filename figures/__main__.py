@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
+from randattn.analysis.files import DiskFull, NotOurs, check_ours
 from randattn.analysis.rows import read_json, read_rows, read_table
 from randattn.analysis.shipped import shipped_result
 
@@ -91,6 +93,9 @@ def main(argv=None) -> int:
         p.error(f"--runs: must be a positive integer, got {args.runs}")
     if args.out is not None:
         for parent in (Path(args.out), *Path(args.out).parents):
+            if parent.is_symlink() and not parent.exists():
+                p.error(f"--out: {parent} is a symbolic link to {os.readlink(parent)}, which does not exist; create "
+                        "that folder or give --out another folder")
             if parent.exists() and not parent.is_dir():
                 p.error(f"--out: {parent} is a file, not a folder; give the folder the figures go into")
     options = {}
@@ -103,6 +108,14 @@ def main(argv=None) -> int:
         p.error("--results needs exactly one --probe")
     if args.name and len(names) != 1:
         p.error("--name needs exactly one --probe")
+    from .style import targets
+
+    for name in names:  # every figure this run would replace must be ours, before any is drawn
+        for target in targets(args.name or name, args.out):
+            try:
+                check_ours(target)
+            except NotOurs as exc:
+                p.error(f"--out: {exc} (the default folder is figures/ under the current folder)")
     missing = failed = 0
     for name in names:
         command = FIGURES[name][3]
@@ -113,6 +126,13 @@ def main(argv=None) -> int:
             continue
         try:
             files = draw(name, path, args.out, stem=args.name, **options)
+        except DiskFull as exc:
+            print(f"{name}: {exc}; free space and rerun the same command", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"{name}: cannot write into {args.out or 'figures'} ({exc.strerror or exc}); give --out a folder "
+                  "you can write to", file=sys.stderr)
+            return 1
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             print(f"{name}: cannot draw from {path}: it is not a result file of `{command}` "
                   f"({type(exc).__name__}: {exc})", file=sys.stderr)

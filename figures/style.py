@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # figures are files; never open a window (CI, ssh, notebo
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from randattn.analysis.files import FIGURE_METADATA, check_ours, replacing  # noqa: E402
+
 PALETTE = sns.color_palette("colorblind")
 
 
@@ -33,12 +35,25 @@ def errorbar(ax, x, est, **kw):
                        capsize=kw.pop("capsize", 3), **kw)
 
 
-def save(fig, name: str, out_dir: "str | Path | None" = None) -> list[Path]:
-    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default ``figures/`` under the current folder)."""
+def targets(name: str, out_dir: "str | Path | None" = None) -> list[Path]:
+    """The files :func:`save` writes: ``name.png`` and ``name.pdf`` in ``out_dir`` (default ``figures/``)."""
     out = Path(out_dir) if out_dir else Path("figures")
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    fig.savefig(paths[0], dpi=200)
-    fig.savefig(paths[1])
-    plt.close(fig)
+    return [out / f"{name}.png", out / f"{name}.pdf"]
+
+
+def save(fig, name: str, out_dir: "str | Path | None" = None) -> list[Path]:
+    """Write ``name.png`` and ``name.pdf`` into ``out_dir`` (default ``figures/`` under the current folder), each
+    through a temporary file renamed into place (a kill leaves the old figure or the new one) and marked as
+    randattn's in its metadata; a file there that randattn did not write raises ``NotOurs`` before either is
+    written."""
+    paths = targets(name, out_dir)
+    try:
+        for path in paths:
+            check_ours(path)
+        for path, dpi in zip(paths, (200, None)):
+            fmt = path.suffix[1:]
+            with replacing(path, check=False) as tmp:
+                fig.savefig(tmp, format=fmt, metadata=FIGURE_METADATA[fmt], **({"dpi": dpi} if dpi else {}))
+    finally:
+        plt.close(fig)
     return paths

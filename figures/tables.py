@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from randattn.analysis.files import replacing
+
 from figures.table_io import bench_footer, ci, f, footer, markdown, read_csv, read_json, read_jsonl, result_path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -491,7 +493,8 @@ def main(argv=None) -> int:
         if new != old:
             stale.append(path)
             if not args.check:
-                path.write_text(new)
+                with replacing(path, check=False) as tmp:  # a kill leaves the old doc or the new one
+                    tmp.write_text(new)
     for path in stale:
         print(f"{path}: {'stale, run python -m figures.tables' if args.check else 'tables rewritten'}")
     return 1 if args.check and stale else 0

@@ -30,6 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
+from randattn.analysis.rows import BadRow, check_row
+
 from .grid_spec import Unit
 
 FAIL_ENV = "RANDATTN_GRID_FAIL"
@@ -74,6 +76,13 @@ class ItemStore:
             return f"{type(exc).__name__}: {str(exc)[:80]}"
         if not isinstance(record, dict) or record.get("id") != path.stem or not isinstance(record.get("rows"), list):
             return "not an item record with its id and rows"
+        for n, row in enumerate(record["rows"]):  # valid JSON can still hold rows no summary could use
+            if not isinstance(row, dict):
+                return f"row {n} is not a JSON object"
+            try:
+                check_row(row, f"row {n}")
+            except BadRow as exc:
+                return str(exc)
         return None
 
     def write(self, item_id: str, record: dict) -> bool:

@@ -305,13 +305,16 @@ def finish(s: Session, table: Sequence[dict], figure: Optional[str] = None) -> P
 
 
 def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:
-    """A tidy CSV of summary rows (columns: the union of the rows' keys, in first-seen order)."""
+    """A tidy CSV of summary rows (columns: the union of the rows' keys, in first-seen order), written through a
+    temporary file renamed into place, and only over a summary randattn wrote (``randattn.analysis.files``)."""
     import csv
+    import io
 
-    path = Path(path)
+    from randattn.analysis.files import write_text
+
     keys = list(dict.fromkeys(k for r in table for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(table)
-    return path
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, keys)
+    w.writeheader()
+    w.writerows(table)
+    return write_text(path, buf.getvalue())

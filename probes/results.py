@@ -13,14 +13,19 @@ after a kill cannot count a row twice.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional
 
-__all__ = ["ResultsFile", "NotOurFile", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
+from randattn.analysis.files import DiskFull, NotOurs, disk_full
+from randattn.analysis.rows import BadRow, check_row
+
+__all__ = ["ResultsFile", "NotOurFile", "RunInUse", "hold_folder", "release_folders", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
            "protection_tag", "run_record", "trace_label", "versions", "INFORMATIONAL"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +34,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 INFORMATIONAL = ("revision", "versions", "device", "date")
 
 
-class NotOurFile(ValueError):
+class NotOurFile(NotOurs):
     """The path exists but is not a results file this toolkit wrote; nothing was changed."""
+
+
+class RunInUse(ValueError):
+    """Another live process holds the results folder's lock."""
 
 
 # -- where things are --------------------------------------------------------------------------------------------
@@ -46,6 +55,9 @@ def out_folder(probe: str, out: "str | os.PathLike | None") -> Path:
 
     folder = Path(out) if out is not None else Path("data") / "results" / probe
     for p in (folder, *folder.parents):
+        if p.is_symlink() and not p.exists():
+            raise ConfigError("out", f"{p} is a symbolic link to {os.readlink(p)}, which does not exist; create that "
+                                     "folder, or give --out another folder")
         if p.exists() and not p.is_dir():
             raise ConfigError("out", f"{p} is a file, not a folder; --out names the folder the results go into "
                                      "(each file is named after its configuration), e.g. --out results/")
@@ -114,6 +126,11 @@ class ResultsFile:
     ``config`` is stored in every row under ``"config"``; its :data:`INFORMATIONAL` entries (git revision,
     versions, device) are not compared on resume. ``restart`` discards the rows of an existing file, only once
     it is shown to be ours.
+
+    While it lives, the object holds ``<folder>/.randattn.lock`` (a second process on the folder is refused with
+    :class:`RunInUse`; the kernel drops the lock when a process dies, so a killed run never blocks its resume). An
+    existing file in a folder nobody can write is opened read-only (a finished run still re-prints its tables);
+    :meth:`append` then refuses new rows.
     """
 
     def __init__(self, path: "str | os.PathLike", config: dict, key_fields: tuple[str, ...], *, restart: bool = False):
@@ -122,15 +139,18 @@ class ResultsFile:
         self.key_fields = tuple(key_fields)
         self.rows: list[dict] = []
         self.duplicates = 0  # rows read back whose key was already seen (dropped)
-        _check_writable(self.path)
+        self.read_only = not _check_writable(self.path)
+        self._lock = None if self.read_only else hold_folder(self.path.parent)
         if self.path.exists():
-            rows, torn = self._read_ours()
+            rows, torn = self._read_ours(validate=not restart)
             if restart:
+                self._need_write("--restart discards its rows")
                 self.path.unlink()
             else:
                 self._check_config(rows)
                 if torn is not None:
                     # A run killed mid-write leaves one torn last line of ours: cut it so new rows start clean.
+                    self._need_write("its torn last line must be cut before the run resumes")
                     with open(self.path, "r+b") as f:
                         f.truncate(torn)
                 self._adopt(rows)
@@ -141,12 +161,18 @@ class ResultsFile:
         return NotOurFile(f"{self.path} is not a results file written by randattn ({why}); nothing was changed. "
                           "Give --out a new file name (or a folder of your results).")
 
+    def _need_write(self, why: str) -> None:
+        if self.read_only:
+            raise PermissionError(f"{self.path} is on read-only media or in a folder nobody can write, and {why}; "
+                                  "copy it to a folder you can write and give that as --out")
+
     def _is_row(self, obj) -> bool:
         return isinstance(obj, dict) and isinstance(obj.get("config"), dict) and all(k in obj for k in self.key_fields)
 
-    def _read_ours(self) -> "tuple[list[dict], int | None]":
+    def _read_ours(self, validate: bool = True) -> "tuple[list[dict], int | None]":
         """Every row of an existing file, and where a torn last line of ours starts (None: none). Raises
-        :class:`NotOurFile` (touching nothing) if any line is not one of our rows."""
+        :class:`NotOurFile` (touching nothing) if any line is not one of our rows, and (``validate``) :class:`BadRow`
+        if one of our rows has a field its summary cannot use."""
         if self.path.is_dir():
             raise self._refuse("it is a folder")
         data = self.path.read_bytes()
@@ -175,6 +201,12 @@ class ResultsFile:
             if not self._is_row(row):
                 raise self._refuse(f"line {n} is not a result row with a config and the fields "
                                    f"{', '.join(self.key_fields)}")
+            if validate:
+                try:
+                    check_row(row, f"{self.path}:{n}")
+                except BadRow as exc:
+                    raise BadRow(f"{exc}; nothing was changed. Correct or delete that line, or pass --restart to "
+                                 "discard the file's rows") from None
             rows.append(row)
         return rows, cut
 
@@ -217,16 +249,30 @@ class ResultsFile:
             fresh.append({**{f: r[f] for f in self.key_fields}, **r, "config": self.config})
         if not fresh:
             return []
+        if self.read_only:
+            from .config import ConfigError
+
+            raise ConfigError("out", f"{self.path}: cannot add rows, its folder is on read-only media or nobody can "
+                                     "write it; copy the file to a folder you can write and give that as --out to "
+                                     "resume")
         blob = "".join(json.dumps(r) + "\n" for r in fresh).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            view = memoryview(blob)
-            while view:  # a regular file takes it in one write; loop only if the kernel says otherwise
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                view = memoryview(blob)
+                while view:  # a regular file takes it in one write; loop only if the kernel says otherwise
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            raise DiskFull(exc.errno, f"{self.path}: the disk is full or a file-size limit is reached "
+                                      f"({exc.strerror}); the {len(self.rows)} rows written before are safe (a torn "
+                                      "last line is cut on resume). Free space and rerun the same command to "
+                                      "resume") from None
         self.rows.extend(fresh)
         self.done.update(keys)
         return fresh
@@ -236,14 +282,17 @@ def _hashable(value):
     return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
 
 
-def _check_writable(path: Path) -> None:
+def _check_writable(path: Path) -> bool:
     """Refuse before any compute a results path nobody can write: its folder is created and a scratch file made and
-    removed in it (permission bits alone say nothing for root, a read-only mount or /proc)."""
+    removed in it (permission bits alone say nothing for root, a read-only mount or /proc). An existing file that
+    cannot be written is no refusal yet (False: read it only; a finished run needs no write)."""
     import tempfile
 
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
+    if path.is_file() and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        return False
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PermissionError(f"{path}: {parent if not path.exists() else path} is not writable; give --out a folder "
                               "you can write to")
@@ -255,6 +304,45 @@ def _check_writable(path: Path) -> None:
         except OSError as exc:
             raise PermissionError(f"{path}: cannot write in {path.parent} ({exc.strerror or exc}); give --out a folder "
                                   "you can write to") from None
+    return True
+
+
+LOCK_NAME = ".randattn.lock"
+_HELD: "weakref.WeakValueDictionary[str, _FolderLock]" = weakref.WeakValueDictionary()
+
+
+class _FolderLock:
+    """An exclusive ``flock`` on ``<folder>/.randattn.lock``, released when the last holder lets go of it (or the
+    process dies). The pid written in the file only names the holder in a refusal."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunInUse(f"{folder} is in use by another run (pid {pid}); wait for it or use another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.release = weakref.finalize(self, os.close, fd)  # runs once: at release() or when collected
+
+
+def hold_folder(folder: "str | os.PathLike") -> _FolderLock:
+    """This process's lock on a results folder (taken once, shared by every results file in it)."""
+    key = os.path.realpath(folder)
+    lock = _HELD.get(key)
+    if lock is None or not lock.release.alive:
+        lock = _HELD[key] = _FolderLock(Path(folder))
+    return lock
+
+
+def release_folders() -> None:
+    """Let go of every folder lock this process holds (a probe's command line calls it when its run ends)."""
+    for lock in list(_HELD.values()):
+        lock.release()
+    _HELD.clear()
 
 
 def check_ours(path: "str | os.PathLike", key_fields: tuple[str, ...]) -> None:
