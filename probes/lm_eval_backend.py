@@ -1,0 +1,206 @@
+"""randattn as an lm-evaluation-harness (0.4.13) model: every request through a fresh evicting cache.
+
+    python -m probes.lm_eval_backend --model randattn --device cpu \\
+        --model_args pretrained=smollm2-135m,policy=random,budget=1024,buffer=64,protect_prompt=True,seed=0 \\
+        --tasks TASK [--include_path DIR] --log_samples --output_path OUT
+
+takes lm-eval's own command line: this module registers the model ``randattn`` (a subclass of lm-eval's HF model)
+and hands over to lm-eval's CLI, the way lm-eval 0.4.13 runs a model defined outside its package (it has no plugin
+discovery). ``policy=full`` is full attention (HF's own cache, lm-eval's own code paths), the reference of
+"policy vs full attention".
+
+- ``generate_until``: lm-eval's generation, with a fresh :class:`randattn.EvictingCache` per batch; the prompt (the
+  whole context, few-shot examples included) is the protected prefix under ``protect_prompt=True``.
+- ``loglikelihood`` / ``loglikelihood_rolling``: teacher forcing with :class:`randattn.Replay`, the context as the
+  (protected) prompt and the continuation scored token by token with eviction rounds exactly where decoding has
+  them, so a log-likelihood sees the cache generation would see.
+- Seeds: each request's draws come from ``seed`` and a hash of its own tokens, so a request draws the same keep-sets
+  whatever lm-eval's order, and two runs with the same ``seed`` agree.
+
+Per-sample outputs (``--log_samples``) feed ``python -m probes.compare_samples`` (the paired comparison).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from typing import Optional
+
+import torch
+
+import randattn
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as exc:  # the optional extra is missing: say how to get it
+    raise ImportError(f"probes.lm_eval_backend needs lm-evaluation-harness 0.4.13 ({exc}); install it with "
+                      "`pip install -e \".[lm-eval]\"` (or `pip install lm_eval==0.4.13`)") from exc
+
+__all__ = ["RandAttnLM", "ACCEPTED_ARGS", "FULL", "request_seed", "main"]
+
+FULL = "full"
+#: The --model_args (and the settings lm-eval hands every model) randattn understands; anything else is refused.
+ACCEPTED_ARGS = ("pretrained", "policy", "budget", "buffer", "recent", "protect_prompt", "seed", "batch_size",
+                 "max_batch_size", "device", "dtype", "max_length", "tokenizer", "trust_remote_code")
+_EVICTION_ARGS = ("budget", "buffer", "recent", "protect_prompt")
+DEFAULT_BUDGET, DEFAULT_BUFFER = 1024, 64  # the paper's T and r
+log = logging.getLogger(__name__)
+
+
+def request_seed(seed: int, tokens) -> int:
+    """The eviction seed of one request: ``seed`` mixed with its token ids (order- and batch-independent)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{list(map(int, tokens))}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits, inside the cache's seed range
+
+
+@register_model("randattn")
+class RandAttnLM(HFLM):
+    """lm-eval's HF model with randattn's evicting cache; see the module docstring for what each request does."""
+
+    def __init__(self, pretrained: Optional[str] = None, policy: str = "random", budget: Optional[int] = None,
+                 buffer: Optional[int] = None, recent: Optional[int] = None, protect_prompt: Optional[bool] = None,
+                 seed: int = 0, batch_size: "int | str" = 1, max_batch_size: Optional[int] = None,
+                 device: Optional[str] = None, dtype: Optional[str] = None, max_length: Optional[int] = None,
+                 tokenizer: Optional[str] = None, trust_remote_code: bool = False, **unknown):
+        if unknown:
+            raise TypeError(f"--model_args {', '.join(sorted(unknown))}: not a randattn model argument; the accepted "
+                            f"ones are {', '.join(ACCEPTED_ARGS)} (lm-eval's other HF options are not passed through)")
+        if str(batch_size) != "1":
+            raise ValueError(f"batch_size={batch_size!r}: the randattn model runs one request at a time (batch_size=1; "
+                             "EvictingCache does not serve padded batches yet); pass --batch_size 1 or leave it out")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"--model_args seed={seed!r}: must be an integer in [0, 2**64), e.g. seed=0")
+        self.policy_name = str(policy)
+        given = {k: v for k, v in zip(_EVICTION_ARGS, (budget, buffer, recent, protect_prompt)) if v is not None}
+        if self.policy_name == FULL and given:
+            log.warning("policy=full is full attention (no eviction): %s ignored", ", ".join(given))
+        self.settings = {"policy": self.policy_name, "seed": seed, **({} if self.policy_name == FULL else {
+            "budget": DEFAULT_BUDGET, "buffer": DEFAULT_BUFFER, "recent": None, "protect_prompt": None, **given})}
+        if self.policy_name != FULL:
+            self._cache_for([0])  # a bad policy, budget or seed is refused before the model loads
+        model, tok = self._load(pretrained, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.pretrained_name = (pretrained or randattn.DEFAULT_MODEL) if isinstance(pretrained, (str, type(None))) \
+            else getattr(model, "name_or_path", type(model).__name__)
+        # lm-eval warns that a model object bypasses its loading options: randattn loaded it, with those options.
+        hf_log = logging.getLogger("lm_eval.models.huggingface")
+        level, hf_log.level = hf_log.level, logging.ERROR
+        try:
+            super().__init__(pretrained=model, tokenizer=tok, batch_size=1, max_length=max_length)
+        finally:
+            hf_log.setLevel(level)
+        self.requests_seen = 0
+        self.requests_evicted = 0  # requests during which at least one eviction round ran
+
+    @staticmethod
+    def _load(pretrained, tokenizer, **options):
+        """``(model, tokenizer)``: loaded by :func:`randattn.load_model` from a name or directory, or given as objects
+        (``RandAttnLM(model, tokenizer=tok, ...)`` from Python; the model gets randattn's guards)."""
+        if pretrained is None or isinstance(pretrained, str):
+            return randattn.load_model(pretrained, tokenizer=tokenizer, **options)
+        if tokenizer is None or isinstance(tokenizer, str):
+            raise ValueError("pretrained is a model object, so tokenizer must be its tokenizer object too; pass "
+                             "tokenizer=tok, or pretrained=NAME_OR_DIR to load both")
+        randattn.check_model(pretrained)
+        randattn.install_guards(pretrained)
+        return pretrained.eval(), tokenizer
+
+    # -- caches ------------------------------------------------------------------------------------
+    def _cache_for(self, tokens) -> randattn.EvictingCache:
+        """A fresh cache for one request (``tokens``: its ids, which fix its seed)."""
+        s = self.settings
+        try:
+            return randattn.EvictingCache(s["policy"], budget=s["budget"], buffer=s["buffer"], recent=s["recent"],
+                                          protect_prompt=s["protect_prompt"], seed=request_seed(s["seed"], tokens))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"--model_args policy={s['policy']},budget={s['budget']},buffer={s['buffer']}: {exc}") \
+                from None
+
+    def _count(self, cache: randattn.EvictingCache) -> None:
+        self.requests_seen += 1
+        self.requests_evicted += bool(cache.layers) and sum(cache.events) > 0
+
+    def _check_fits(self, cache: randattn.EvictingCache, prompt_len: int, what: str) -> None:
+        if cache.protect_prompt and prompt_len + 1 + cache.recent > cache.budget:
+            raise ValueError(
+                f"budget={cache.budget} cannot hold the protected {prompt_len}-token {what} plus one slot beside the "
+                f"recent window of {cache.recent}: use budget >= {prompt_len + 1 + cache.recent}, protect_prompt=False, "
+                f"or fewer few-shot examples (--num_fewshot)")
+
+    # -- generate_until ----------------------------------------------------------------------------
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        if self.policy_name == FULL:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if context.shape[0] != 1:  # lm-eval batches by batch_size, which __init__ holds at 1
+            raise ValueError(f"the randattn model generates one request at a time, got a batch of {context.shape[0]}")
+        cache = self._cache_for(context[0].tolist())
+        self._check_fits(cache, context.shape[1], "prompt")
+        # lm-eval's generate (stop sequences, sampling settings) with the cache; the model's guards refuse a used one
+        generation_kwargs[randattn.cache_argument_name(self.model)] = cache
+        try:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        finally:
+            self._count(cache)
+
+    # -- loglikelihood -----------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: Optional[int] = None):
+        if self.policy_name == FULL:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        from tqdm.auto import tqdm
+
+        out = []
+        for cache_key, context, continuation in tqdm(requests, disable=disable_tqdm or self.rank != 0,
+                                                     desc="randattn loglikelihood"):
+            answer = self._score(list(context), list(continuation))
+            if cache_key is not None:  # rolling windows come without a key; lm-eval caches their sum itself
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+            out.append(answer)
+        return out
+
+    @torch.no_grad()
+    def _score(self, context: list, continuation: list) -> tuple[float, bool]:
+        """(sum of log p(continuation | context), whether greedy decoding reproduces it) under eviction."""
+        ids = (context + continuation)[-(self.max_length + 1):]  # lm-eval's left truncation
+        n = len(continuation)
+        prompt_len = len(ids) - n
+        if prompt_len < 1:
+            raise ValueError(f"a {n}-token continuation leaves no context within max_length={self.max_length}; "
+                             "raise --model_args max_length")
+        cache = self._cache_for(ids)
+        self._check_fits(cache, prompt_len, "context")
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        # Feed all but the last token: the logits after it predict the last one (no forward past the sequence).
+        res = randattn.Replay(self.model, x, cache, prompt_len=prompt_len).run(until=len(ids) - 1).result()
+        self._count(cache)
+        last_lp = torch.log_softmax(res.last_logits[0].float(), -1)
+        target = torch.tensor(ids[prompt_len:])
+        lps = torch.cat([res.logprobs[0, prompt_len:-1], last_lp[target[-1:]]])
+        greedy = torch.cat([res.argmax[0, prompt_len:-1], last_lp.argmax(-1, keepdim=True)])
+        return float(lps.sum()), bool(torch.equal(greedy, target))
+
+    # -- provenance --------------------------------------------------------------------------------
+    def get_model_info(self) -> dict:
+        """What lm-eval writes into the results' config: the model and randattn's settings (no hub lookup)."""
+        info = {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+                "model_dtype": str(self.model.dtype), "model_revision": None, "model_sha": ""}
+        info["randattn"] = {**self.settings, "pretrained": self.pretrained_name, "engine": randattn.ENGINE,
+                            "version": randattn.__version__, "requests": self.requests_seen,
+                            "requests_with_eviction_rounds": self.requests_evicted}
+        if self.policy_name != FULL and self.requests_seen and not self.requests_evicted:
+            log.warning("no request reached budget + buffer, so no eviction round ran: this run measured full "
+                        "attention. Lower budget or raise max_gen_toks.")
+        return info
+
+
+def main(argv=None) -> None:
+    """lm-eval's command line, with the ``randattn`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
