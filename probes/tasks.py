@@ -37,7 +37,11 @@ Graders:
 
 ``--data FILE.jsonl`` fields (one JSON object per line): math tasks ``problem`` (or ``question``)
 and ``answer`` (LaTeX, without ``\\boxed``); GPQA ``question``, ``correct`` and ``incorrect`` (a
-list of three), or the HF names ``Question``, ``Correct Answer``, ``Incorrect Answer 1..3``.
+list of three), or the HF names ``Question``, ``Correct Answer``, ``Incorrect Answer 1..3``;
+LiveCodeBench the HF dataset's names: ``question_content`` (or ``question``), ``public_test_cases`` and/or
+``private_test_cases`` (a JSON list of ``{"input", "output", "testtype"}``, or the dataset's compressed
+string), optional ``starter_code`` (functional problems), ``metadata`` with ``func_name`` and ``difficulty``
+(rows other than ``medium`` are skipped; missing counts as medium), id ``question_id``.
 Optional ``id`` (else ``unique_id``, ``problem_idx``, ``Record ID`` or the line number).
 
 The copy task ("Here is a list of numbers: 7311, 7890, ... Repeat the list, separated by commas.",
@@ -392,9 +396,23 @@ def problem_from_row(task: Task, row: dict, index: int) -> Problem:
     return Problem(pid, choice_prompt(str(question), options), letter, "choice")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+#: The ``--data`` fields each kind of task reads (the rest are optional; see the module docstring).
+DATA_FIELDS = {"math": "'problem' and 'answer'", "choice": "'question', 'correct', 'incorrect' (three)",
+               "code": "'question_content' and 'public_test_cases' / 'private_test_cases' (optional 'starter_code', "
+                       "'metadata' with 'func_name', 'difficulty')"}
+
+
+def _hf_where(task: Task) -> str:
+    sources = task.hf if isinstance(task.hf, tuple) else (task.hf,)
+    return " + ".join(s.path + (f" ({s.name})" if s.name else "") for s in sources)
+
+
+def _read_jsonl(path: Path, task: Optional[Task] = None) -> list[dict]:
     if not path.exists():
-        raise TaskDataError(f"--data {path}: no such file")
+        other = f"; or drop --data to load HF {_hf_where(task)}" if task is not None and task.hf else ""
+        raise TaskDataError(f"--data {path}: no such file; give a JSONL file (fields: "
+                            f"{DATA_FIELDS.get(task.kind, 'see probes/tasks.py') if task else 'see probes/tasks.py'})"
+                            f"{other}")
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
@@ -422,9 +440,8 @@ def _hf_rows(task: Task) -> list[dict]:
 
 def _hf_source_rows(task: Task, src: HFSource) -> list[dict]:
     where = f"HF dataset {src.path}" + (f" ({src.name})" if src.name else "") + f", split {src.split}"
-    alternative = ("pass --data FILE.jsonl instead (one JSON object per line; fields: "
-                   + ("'problem' and 'answer'" if task.kind == "math" else "'question', 'correct', 'incorrect'")
-                   + "; see probes/tasks.py)")
+    alternative = (f"pass --data FILE.jsonl instead (one JSON object per line; fields: {DATA_FIELDS[task.kind]}; "
+                   "see probes/tasks.py)")
     try:
         import datasets
     except ImportError:
@@ -446,7 +463,7 @@ def load_problems(task: Task, data: "str | Path | None" = None, limit: Optional[
             raise TaskDataError(f"--task {task.name} generates its own problems; drop --data")
         make = copy_problem if task.kind == "copy" else repeat_problem
         return [make(i) for i in range(limit or task.problems)]
-    rows = _read_jsonl(Path(data)) if data is not None else _hf_rows(task)
+    rows = _read_jsonl(Path(data), task) if data is not None else _hf_rows(task)
     if task.select is not None:
         rows = [r for r in rows if task.select(r)]
         if not rows:

@@ -25,9 +25,12 @@ name                  paper mode / source         score of a candidate
 ``h2o``               (not in the paper's grid)   accumulated attention received + recent half
 ====================  ==========================  ===============================================
 
-Attention is ``q . k / sqrt(head_dim)`` as in the paper's engine (its ``temperature`` is 1), in
-float32; a recent query is masked from candidates newer than itself (only possible when its window
-reaches past the recent window).
+Attention is ``q . k / sqrt(head_dim)`` as in the paper's engine (its ``temperature`` is 1); a recent
+query is masked from candidates newer than itself (only possible when its window reaches past the recent
+window). SnapKV and R-KV score in float32 by default (``score_dtype="float32"``, the toolkit's choice: every
+shipped row was scored so); the paper's engine scores in its model's dtype, bf16 in its runs, which rounds
+many candidates to equal scores: ``score_dtype="bfloat16"`` (or ``"model"``: the keys' dtype) rounds where
+the engine does and keeps its sets, ties broken by ``torch.topk`` as the engine's are.
 """
 
 from __future__ import annotations
@@ -54,6 +57,19 @@ __all__ = [
 ]
 
 _AGGREGATES = ("mean", "max")
+#: ``score_dtype`` names: the dtype SnapKV / R-KV scores are computed and rounded in ("model": the keys' own).
+SCORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "model": None}
+
+
+def _check_score_dtype(name: str, score_dtype) -> str:
+    if score_dtype not in SCORE_DTYPES:
+        raise ValueError(f"{name}: score_dtype must be one of {tuple(SCORE_DTYPES)} (float32 is the default; the paper's "
+                         f"engine scores in its model's dtype, bfloat16), got {score_dtype!r}")
+    return score_dtype
+
+
+def _score_dtype(view: CacheView, score_dtype: str) -> torch.dtype:
+    return SCORE_DTYPES[score_dtype] or view.keys.dtype
 
 
 def _check_aggregate(name: str, aggregate: str) -> str:
@@ -88,14 +104,15 @@ def _need_queries(view: CacheView, policy: str) -> None:
         )
 
 
-def attention_logits(view: CacheView, window: Optional[int] = None) -> torch.Tensor:
+def attention_logits(view: CacheView, window: Optional[int] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits ``q . k / sqrt(D)`` of the last ``window`` captured queries (default all) over the candidates,
-    ``[B, H_q, w, S]`` in float32, ``-inf`` where a query is older than the candidate."""
-    q = view.queries.to(torch.float32)
+    ``[B, H_q, w, S]`` in ``dtype`` (rounded after the product and after the scale, as the paper's engine in its
+    model's dtype), ``-inf`` where a query is older than the candidate."""
+    q = view.queries.to(dtype)
     qpos = view.query_positions
     if window is not None:
         q, qpos = q[:, :, -window:], qpos[-window:]
-    k = view.keys.to(torch.float32)
+    k = view.keys.to(dtype)
     hq, h = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // h, dim=1)
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -104,9 +121,11 @@ def attention_logits(view: CacheView, window: Optional[int] = None) -> torch.Ten
     return logits.masked_fill(~visible, float("-inf"))
 
 
-def _softmax(logits: torch.Tensor) -> torch.Tensor:
-    # A query that sees no candidate at all votes for nothing.
-    return torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+def _softmax(logits: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    # In float32, rounded once to ``out_dtype`` (default the logits'), as the paper's engine. A query that sees no
+    # candidate at all votes for nothing.
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1, dtype=torch.float32), nan=0.0)
+    return probs.to(logits.dtype if out_dtype is None else out_dtype)
 
 
 def window_attention(view: CacheView, aggregate: str = "mean", window: Optional[int] = None) -> torch.Tensor:
@@ -140,24 +159,24 @@ def _pin_recent(scores: torch.Tensor, view: CacheView, count: int) -> torch.Tens
     return scores.masked_fill(recent, float("inf"))
 
 
-def _cosine(keys: torch.Tensor) -> torch.Tensor:
-    k = keys.to(torch.float32)
+def _cosine(keys: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    k = keys.to(dtype)
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     sim = k @ k.transpose(-1, -2)  # [B, H, S, S]
     return sim.masked_fill(torch.eye(sim.shape[-1], dtype=torch.bool, device=sim.device), 0.0)
 
 
-def cosine_redundancy(keys: torch.Tensor) -> torch.Tensor:
+def cosine_redundancy(keys: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The paper's ``attn_rkv`` redundancy per candidate ``[B, H, S]``: softmax over candidates of the mean
-    cosine similarity to the other candidates (self-similarity zeroed)."""
-    return _cosine(keys).mean(dim=-2).softmax(dim=-1)
+    cosine similarity to the other candidates (self-similarity zeroed), computed in ``dtype``."""
+    return _cosine(keys, dtype).mean(dim=-2).softmax(dim=-1)
 
 
-def official_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+def official_redundancy(keys: torch.Tensor, threshold: float = 0.5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The R-KV authors' redundancy (``rkv_official``): cosine matrix with the diagonal zeroed; in every row
     the newest candidate more similar than ``threshold`` is spared (its entry zeroed; the oldest slot's
     when none is); column means; softmax over candidates."""
-    sim = _cosine(keys)
+    sim = _cosine(keys, dtype)
     s = sim.shape[-1]
     idx = torch.arange(s, device=sim.device)
     newest_similar = torch.where(sim > threshold, idx, torch.zeros_like(idx)).amax(dim=-1)  # [B, H, S]
@@ -201,8 +220,9 @@ class SnapKVPolicy(Policy):
     score_i = mean_{g in group} pool_k( mean_{t in window} softmax_t(q_{t,g} . k / sqrt(D))_i ), with the
     softmax over the candidates only and the window the queries since the last round (``window=None``:
     the ``r`` buffered queries). Defaults: average pooling k=5 with the padding counted, mean over the
-    query group, no observation-window pin (the engine's recent window keeps the newest ``r``).
-    ``snapkv-longbench`` is the original authors' setting.
+    query group, no observation-window pin (the engine's recent window keeps the newest ``r``), scores in float32
+    (``score_dtype="bfloat16"``: rounded as the paper's engine in bf16). ``snapkv-longbench`` is the original
+    authors' setting.
     """
 
     uses_seed = False
@@ -210,8 +230,9 @@ class SnapKVPolicy(Policy):
     needs = frozenset({"queries"})
 
     def __init__(self, window: Optional[int] = None, kernel: int = 5, pooling: str = "avg",
-                 aggregate: str = "mean", keep_window: bool = False):
+                 aggregate: str = "mean", keep_window: bool = False, score_dtype: str = "float32"):
         _check_window("snapkv", window)
+        self.score_dtype = _check_score_dtype("snapkv", score_dtype)
         _check_positive("snapkv", kernel=kernel)
         if pooling not in ("max", "avg"):
             raise ValueError(f"snapkv: pooling must be 'max' or 'avg', got {pooling!r}")
@@ -222,7 +243,8 @@ class SnapKVPolicy(Policy):
     def importance(self, view: CacheView) -> torch.Tensor:
         """The pooled window attention per KV head ``[B, H_kv, S]`` (pooling per query head, then the group)."""
         _need_queries(view, self.name)
-        per_query_head = _softmax(attention_logits(view, self.window)).mean(dim=2)  # [B, H_q, S]
+        logits = attention_logits(view, self.window, _score_dtype(view, self.score_dtype))
+        per_query_head = _softmax(logits).mean(dim=2)  # [B, H_q, S]
         pooled = pool_scores(per_query_head, self.kernel, self.pooling)
         return _group(pooled, view.keys.shape[1], self.aggregate)
 
@@ -237,8 +259,9 @@ class SnapKVLongBenchPolicy(SnapKVPolicy):
     k=7, mean over the query group, and the observation window (the last 32 positions) kept."""
 
     def __init__(self, window: int = 32, kernel: int = 7, pooling: str = "max", aggregate: str = "mean",
-                 keep_window: bool = True):
-        super().__init__(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate, keep_window=keep_window)
+                 keep_window: bool = True, score_dtype: str = "float32"):
+        super().__init__(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate, keep_window=keep_window,
+                         score_dtype=score_dtype)
 
 
 @register_policy("rkv")
@@ -247,8 +270,8 @@ class RKVPolicy(Policy):
 
     score_i = lam * I_i - (1 - lam) * R_i at raw scale, where I is :class:`SnapKVPolicy`'s importance
     (queries since the last round, average-pooled k=5, mean over the group) and R is
-    :func:`cosine_redundancy` (softmax over candidates of the mean cosine similarity). ``rkv-official``
-    is the R-KV authors' version.
+    :func:`cosine_redundancy` (softmax over candidates of the mean cosine similarity), both in ``score_dtype``
+    (float32; ``"bfloat16"`` as the paper's engine). ``rkv-official`` is the R-KV authors' version.
     """
 
     uses_seed = False
@@ -256,16 +279,19 @@ class RKVPolicy(Policy):
     needs = frozenset({"queries"})
 
     def __init__(self, lam: float = 0.5, window: Optional[int] = None, kernel: int = 5, pooling: str = "avg",
-                 aggregate: str = "mean"):
+                 aggregate: str = "mean", score_dtype: str = "float32"):
         if not 0.0 <= float(lam) <= 1.0:
             raise ValueError(f"rkv: lam must be in [0, 1], got {lam!r}")
-        self._snap = SnapKVPolicy(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate)
+        self.score_dtype = _check_score_dtype("rkv", score_dtype)
+        self._snap = SnapKVPolicy(window=window, kernel=kernel, pooling=pooling, aggregate=aggregate,
+                                  score_dtype=score_dtype)
         self.lam = float(lam)
         self.window, self.kernel, self.pooling, self.aggregate = window, kernel, pooling, aggregate
 
     def score(self, view: CacheView) -> torch.Tensor:
         self._snap.name = self.name
-        return self.lam * self._snap.importance(view) - (1.0 - self.lam) * cosine_redundancy(view.keys)
+        red = cosine_redundancy(view.keys, _score_dtype(view, self.score_dtype))
+        return self.lam * self._snap.importance(view) - (1.0 - self.lam) * red
 
 
 @register_policy("rkv-official")
@@ -275,30 +301,35 @@ class RKVOfficialPolicy(Policy):
     Importance: logits of the last ``window`` (8; at most the buffer ``r``, as the paper's engine reads them
     from its buffer of ``r`` queries) queries, max over the query group, softmax over the
     candidates, mean over the queries, max pooling k=7. Redundancy: :func:`official_redundancy` (cosine
-    ``threshold`` 0.5, the newest similar copy spared). score = lam * I - (1 - lam) * R.
+    ``threshold`` 0.5, the newest similar copy spared). score = lam * I - (1 - lam) * R, in ``score_dtype``
+    (float32; ``"bfloat16"`` as the paper's engine: logits and cosines rounded, softmax and its mean in float32).
     """
 
     uses_seed = False
 
     needs = frozenset({"queries"})
 
-    def __init__(self, lam: float = 0.1, window: int = 8, kernel: int = 7, threshold: float = 0.5):
+    def __init__(self, lam: float = 0.1, window: int = 8, kernel: int = 7, threshold: float = 0.5,
+                 score_dtype: str = "float32"):
         if not 0.0 <= float(lam) <= 1.0:
             raise ValueError(f"rkv-official: lam must be in [0, 1], got {lam!r}")
         if not -1.0 <= float(threshold) <= 1.0:
             raise ValueError(f"rkv-official: threshold is a cosine similarity in [-1, 1], got {threshold!r}")
         _check_positive("rkv-official", window=window, kernel=kernel)
         self.lam, self.window, self.kernel, self.threshold = float(lam), window, kernel, float(threshold)
+        self.score_dtype = _check_score_dtype("rkv-official", score_dtype)
 
     def importance(self, view: CacheView) -> torch.Tensor:
         _need_queries(view, self.name)
         # The paper's engine reads them from its buffer of the last r queries: with r < 8, those r.
         window = min(self.window, view.buffer)
-        logits = _group(attention_logits(view, window), view.keys.shape[1], "max")  # [B, H_kv, w, S]
-        return pool_scores(_softmax(logits).mean(dim=2), self.kernel, "max")
+        dtype = _score_dtype(view, self.score_dtype)
+        logits = _group(attention_logits(view, window, dtype), view.keys.shape[1], "max")  # [B, H_kv, w, S]
+        # the authors' mean over the queries is taken in float32, before the cast back
+        return pool_scores(_softmax(logits, torch.float32).mean(dim=2).to(dtype), self.kernel, "max")
 
     def score(self, view: CacheView) -> torch.Tensor:
-        red = official_redundancy(view.keys, self.threshold)
+        red = official_redundancy(view.keys, self.threshold, _score_dtype(view, self.score_dtype))
         return self.lam * self.importance(view) - (1.0 - self.lam) * red
 
 
