@@ -333,7 +333,7 @@ PAPER_MODES: dict[str, tuple[str, dict, bool]] = {
     "random_block_pp": ("random-block", {}, True),
     "random_pcap": ("random-pcap", {}, False),
     "random_pmix": ("random-pmix", {}, False),
-    "random_ppp": ("random-ppp", {}, True),
+    "random_ppp": ("random-ppp", {"whole_prompt": False}, False),
     "attn": ("snapkv", {}, False),
     "attn_pp": ("snapkv", {}, True),
     "attn_rkv": ("rkv", {}, False),
@@ -561,18 +561,45 @@ class RandomPromptMixPolicy(Policy):
 
 @register_policy("random-ppp")
 class RandomPlanPrefixPolicy(Policy):
-    """Random with the prompt and a plan prefix protected (the paper's ``random_ppp``): the first
-    ``plan_prefix`` generated tokens (768) are pinned too, always leaving ``min_scatter`` (64) of the
-    ``T - r`` selected places to the random scatter. The prompt itself is the core's protection."""
+    """Random with the prompt and a plan prefix protected (the paper's ``random_ppp``): the candidate slots
+    ``[0, min(pl + plan_prefix, K - min_scatter))`` are pinned (``pl`` the prompt clamped to ``K - 1``, ``K = T - r``;
+    768 and 64 by default), the rest is Random; compaction keeps the earliest survivors in those slots, so they hold
+    the prompt and the first generated tokens. As in the paper's engine, a negative end (``K < min_scatter``) pins
+    all but the last ``min_scatter - K`` slots, and when that is more than ``K`` the ``K`` of them ``torch.topk``
+    returns are kept.
 
-    native_protection = True
+    ``whole_prompt=False`` (what the paper's mode name ``random_ppp`` sets) is the paper's: the prompt is protected
+    only through that slice, so when ``K - min_scatter`` is shorter than the prompt the rest of it competes.
+    ``whole_prompt=True`` (the default of the name ``random-ppp``) also has the core pin the whole prompt; the two
+    keep the same pairs whenever the prompt fits in ``K - min_scatter``."""
 
-    def __init__(self, plan_prefix: int = 768, min_scatter: int = 64):
+    def __init__(self, plan_prefix: int = 768, min_scatter: int = 64, whole_prompt: bool = True):
         for name, val in (("plan_prefix", plan_prefix), ("min_scatter", min_scatter)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:
                 raise ValueError(f"random-ppp {name} must be a non-negative int, got {val!r}")
-        self.plan_prefix, self.min_scatter = plan_prefix, min_scatter
+        if not isinstance(whole_prompt, bool):
+            raise ValueError(f"random-ppp whole_prompt must be True (the core also pins the whole prompt) or False "
+                             f"(the paper's random_ppp: only the pinned slice), got {whole_prompt!r}")
+        self.plan_prefix, self.min_scatter, self.whole_prompt = plan_prefix, min_scatter, whole_prompt
+
+    @property
+    def native_protection(self) -> bool:  # the core pins the whole prompt only with whole_prompt
+        return self.whole_prompt
 
     def score(self, view: CacheView) -> torch.Tensor:
+        draw = _rand(view)
+        n = draw.shape[-1]
         end = min(_clamped_prompt(view) + self.plan_prefix, view.keep - self.min_scatter)
-        return _rand(view).masked_fill(view.positions < end, float("inf"))
+        if end < 0:  # the engine's slice rs[..., :end] with a negative end
+            end = max(0, n + end)
+        pinned = torch.arange(n, device=draw.device) < end
+        if end <= view.keep:
+            return draw.masked_fill(pinned, float("inf"))
+        # More pinned than kept: the engine keeps the K its topk returns among the tied +inf. A finite 2 ranks as
+        # its +inf does (above every draw), so topk over the same pattern makes the same choice; the core's own pins
+        # rank first, so the choice never exceeds K with them.
+        rank = draw.masked_fill(pinned, 2.0)
+        if view.pinned is not None:
+            rank = rank.masked_fill(view.pinned, 3.0)
+        chosen = torch.topk(rank, view.keep, dim=-1).indices
+        return torch.zeros_like(draw).scatter(-1, chosen, float("inf"))
