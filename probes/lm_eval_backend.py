@@ -171,7 +171,9 @@ class RandAttnLM(HFLM):
         self._check_fits(cache, prompt_len, "context")
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Feed all but the last token: the logits after it predict the last one (no forward past the sequence).
-        res = randattn.Replay(self.model, x, cache, prompt_len=prompt_len).run(until=len(ids) - 1).result()
+        # score_from skips the LM head over the context, whose own log-probs are not asked for.
+        res = randattn.Replay(self.model, x, cache, prompt_len=prompt_len, score_from=prompt_len).run(
+            until=len(ids) - 1).result()
         self._count(cache)
         last_lp = torch.log_softmax(res.last_logits[0].float(), -1)
         target = torch.tensor(ids[prompt_len:])
@@ -193,14 +195,19 @@ class RandAttnLM(HFLM):
         return info
 
 
-def main(argv=None) -> None:
-    """lm-eval's command line, with the ``randattn`` model registered."""
+def main(argv=None) -> int:
+    """lm-eval's command line, with the ``randattn`` model registered (lm-eval reads ``sys.argv`` itself)."""
     from lm_eval.__main__ import cli_evaluate
 
+    saved = list(sys.argv)
     if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+        sys.argv = [saved[0] if saved else "lm_eval_backend", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv[:] = saved
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
