@@ -140,6 +140,8 @@ class ResultsFile:
         self.rows: list[dict] = []
         self.duplicates = 0  # rows read back whose key was already seen (dropped)
         self.read_only = not _check_writable(self.path)
+        if self.path.exists():
+            self._read_ours(validate=not restart)  # refuse a file not ours before the lock file is made beside it
         self._lock = None if self.read_only else hold_folder(self.path.parent)
         if self.path.exists():
             rows, torn = self._read_ours(validate=not restart)

@@ -94,3 +94,27 @@ def test_a_grid_item_with_valid_json_but_bogus_rows_is_moved_aside(tmp_path, cap
     assert "cd34.json is damaged (row 1: field 'lp' must be a finite number" in err
     assert "ef56.json is damaged (row 1 is not a JSON object)" in err
     assert store.path("cd34").with_name("cd34.json.damaged").exists()  # moved aside, recomputed, never deleted
+
+
+def test_a_probe_resuming_a_file_with_a_bad_row_is_a_usage_error_naming_the_line(tiny_dir, tmp_path, capsys):
+    from probes.head_pooling import main
+
+    out = tmp_path / "out"
+    args = ["--model", tiny_dir, "--out", str(out), "--budget", "64", "--buffer", "12", "--distance", "90",
+            "--instances", "2", "--batch", "2", "--no-figure"]
+    assert main(args) == 0
+    (rows,) = out.glob("*.jsonl")
+    lines = rows.read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["lp"] = "x"
+    lines[1] = json.dumps(bad)
+    rows.write_text("\n".join(lines) + "\n")
+    before = {p: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out: {rows}:2: field 'lp' must be a finite number, got \"x\"; nothing was changed" in err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.iterdir()} == before
