@@ -221,16 +221,25 @@ def run(config: Config, model=None, tokenizer=None, argv=None) -> Path:
           f"{'protected' if config.protect_prompt else 'unprotected'} | parts {', '.join(config.parts)} | results in "
           f"{out}")
     rows: list[dict] = []
-    verdict_csv = out / "verdict.csv"
     for part in config.parts:
         print(f"\n== {part} ==")
-        rows += PARTS[part](ctx)
-        write_csv(verdict_csv, rows)  # after every part, so a later failure loses nothing measured
+        try:
+            rows += PARTS[part](ctx)  # each part keeps its own rows on disk as it goes (resumable)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            failure = cli.selector_failure(exc)
+            if failure is None:
+                raise
+            raise cli.SelectorFailed(
+                failure, step=f"challenge part {part!r}",
+                kept=f"The rows measured so far are kept under {out}; no verdict was written (verdict.csv, "
+                     "verdict.json and report.md come only once every part has finished)") from exc
+    # Only now: a verdict over some of the parts would read as the whole challenge's.
+    verdict_csv = write_csv(out / "verdict.csv", rows)
     print_table(rows)
     contenders = [x for x in policies if x != REFERENCE]
     print("\n" + "\n".join(verdict_text(rows, contenders, config)))
-    figures = [str(f) for f in out.glob("*.png") if not f.name.startswith("challenge.")]
-    figures = cli.draw("challenge", verdict_csv, out) + figures
+    figures = [] if config.no_figure else [str(f) for f in out.glob("*.png") if not f.name.startswith("challenge.")]
+    figures = ([] if config.no_figure else cli.draw("challenge", verdict_csv, out)) + figures
     (out / "verdict.json").write_text(json.dumps({pol: verdicts(rows, pol) for pol in contenders}, indent=1))
     command = "python -m probes.challenge " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     report = write_report(out, rows, contenders, config, figures, command)

@@ -27,11 +27,12 @@ from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, survival
 from .common import policy_slug
+from .config import ConfigError
 from .policy_specs import calibration_options
 from .planted import Condition
 
 from .planted_run import PlantedConfig, run_conditions, setup, write_csv
-from .results import DEFAULT_TRACES
+from .results import DEFAULT_TRACES, ResultsFile, run_record, trace_label
 
 REFERENCE = "random"
 
@@ -98,7 +99,7 @@ def accuracy_part(ctx: Context) -> list[dict]:
     acc = accuracy.Config(model=a.model, device=a.device, seed=a.seed, out=str(ctx.out), figure_dir=str(ctx.out),
                           task=a.task, policy=("full", *ctx.policies), budget=(a.budget,), buffer=a.buffer,
                           runs=n["runs"], problems=n["problems"], data=a.data, stats=a.stats,
-                          protect_prompt=a.protect_prompt)
+                          protect_prompt=a.protect_prompt, no_figure=a.no_figure)
     resolved, rf, _ = accuracy.run(acc, *ctx.loaded)
     accuracy.report(resolved, rf, _, figure_name="accuracy")
     rows = rf.rows
@@ -126,13 +127,25 @@ def question_part(ctx: Context) -> list[dict]:
     idx_all = list(range(min(n["instances"], len(tasks))))  # the traces sharing one prompt layout bound it
     if len(idx_all) < n["instances"]:
         tqdm.write(f"question recall: {len(idx_all)} instances (only {len(tasks)} traces share one prompt layout)")
-    rows = []
-    for pol in tqdm(["full", *ctx.policies], desc="question recall", unit="policy"):
-        for b in range(0, len(idx_all), 8):
-            idx = idx_all[b:b + 8]
-            rows += prompt_protection.run_batch(ctx.model, tasks, idx, pol, a.protect_prompt, budget=a.budget,
-                                                buffer=a.buffer, seed=a.seed * 1_000_003 + idx[0],
-                                                options={} if pol == "full" else ctx.options(pol))
+    # Rows go to disk batch by batch, so a selector failing later loses nothing measured here and a rerun resumes.
+    record = {"probe": "challenge_question", "model": a.model or randattn.DEFAULT_MODEL, "budget": a.budget,
+              "buffer": a.buffer, "body": n["body"], "seed": a.seed, "protect_prompt": a.protect_prompt,
+              "stats": a.stats, "traces": trace_label(traces), **run_record(ctx.model)}
+    try:
+        rf = ResultsFile(ctx.out / "question_recall.jsonl", record, ("instance", "policy"))
+    except ValueError as exc:  # rows of another configuration there
+        raise ConfigError("out", str(exc)) from None
+    batches = [(pol, idx_all[b:b + 8]) for pol in ["full", *ctx.policies] for b in range(0, len(idx_all), 8)]
+    todo = [(pol, idx) for pol, idx in batches if not all((i, pol) in rf.done for i in idx)]
+    if len(todo) < len(batches):
+        tqdm.write(f"{rf.path}: {len(batches) - len(todo)} of {len(batches)} policy x batch results already there; "
+                   + ("computing the rest" if todo else "nothing to compute"))
+    for pol, idx in tqdm(todo, desc="question recall", unit="batch"):
+        rf.append(prompt_protection.run_batch(ctx.model, tasks, idx, pol, a.protect_prompt, budget=a.budget,
+                                              buffer=a.buffer, seed=a.seed * 1_000_003 + idx[0],
+                                              options={} if pol == "full" else ctx.options(pol)))
+    wanted = set(idx_all)
+    rows = [{k: v for k, v in r.items() if k != "config"} for r in rf.rows if r["instance"] in wanted]
     write_csv(ctx.out / "question_recall.csv", rows)
     by = {(r["policy"], r["instance"]): r for r in rows}
     table = []
@@ -194,7 +207,8 @@ def passcode_part(ctx: Context) -> list[dict]:
     config = {k: rows_by_policy[REFERENCE][0]["config"][k] for k in ("model", "budget", "buffer", "protect_prompt",
                                                                      "seed", "rounds")}
     path = write_csv(ctx.out / "passcode" / "summary.csv", [{**r, **config} for r in summary])
-    cli.draw("passcode", path, ctx.out)
+    if not a.no_figure:
+        cli.draw("passcode", path, ctx.out)
     cells = {pol: lp_table(rows)["policy"] for pol, rows in rows_by_policy.items()}
     full = next((r["retrieval"] for r in summary if r["policy"] == "full attention"), None)
     table = []

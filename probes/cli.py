@@ -6,27 +6,91 @@ from the rows it just wrote, so figures stay a layer that only plots.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from .config import ConfigError, build, parser_for
+from .config import ConfigError, build, flag_of, parser_for
 
-__all__ = ["main", "draw"]
+__all__ = ["main", "draw", "SelectorFailed", "selector_failure"]
+
+# How randattn's core names a selector that failed mid-run: "policy 'NAME' failed at layer L, round R: ...",
+# "policy 'NAME' returned NaN scores at layer L, round R", "... pinned ... (policy 'NAME' scored them +inf) ...";
+# select() may prefix "layer L: ", and a probe may wrap the message in its own.
+_NAME = r"policy ('[^']*'|\"[^\"]*\")"
+_FROM_NAME = re.compile(r"(?:^|: )(?:layer \d+: )?(" + _NAME + ".*)", re.S)
+
+
+def selector_failure(exc: BaseException) -> Optional[str]:
+    """The core's message naming the selector that failed, found in ``exc`` or what it was raised from; else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if isinstance(exc, (RuntimeError, ValueError, TypeError)) and re.search(_NAME, text):
+            found = _FROM_NAME.search(text)
+            text = found.group(1) if found else re.sub(r"^layer \d+: ", "", text)
+            return " ".join(text.split())  # one paragraph, whatever the selector's own text held
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class SelectorFailed(Exception):
+    """A selector failed mid-run: ``failure`` is the core's message (selector, layer, round), ``step`` where in the
+    probe (e.g. "challenge part 'planted'"), ``kept`` what of the run is on disk and what was not written."""
+
+    def __init__(self, failure: str, *, step: str = "", kept: str = ""):
+        super().__init__(failure)
+        self.failure, self.step, self.kept = failure, step, kept
+
+
+def _flag_naming(config, failure: str) -> str:
+    """The flag that gave the failing selector (``--policy``, ``--policies``, ``--baselines``, ...)."""
+    name = re.search(_NAME, failure)
+    spec = name.group(1)[1:-1] if name else None
+    for f in dataclasses.fields(config) if dataclasses.is_dataclass(config) else ():
+        value = getattr(config, f.name)
+        if spec is not None and (value == spec or (isinstance(value, (tuple, list)) and spec in value)):
+            return flag_of(f.name)
+    return "--policy"
+
+
+def _selector_refusal(parser, config, exc: BaseException) -> None:
+    """Exit 2 with one paragraph (no usage block) when ``exc`` is a selector failing mid-run; else return."""
+    failed = exc if isinstance(exc, SelectorFailed) else None
+    failure = failed.failure if failed else selector_failure(exc)
+    if failure is None:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # bars the failure left open end first: the message stands alone
+        bar.close()
+    where = f" (in {failed.step})" if failed and failed.step else ""
+    kept = failed.kept if failed and failed.kept else "The rows computed before it are kept"
+    parser.exit(2, f"{parser.prog}: error: {_flag_naming(config, failure)}: {failure.rstrip('.')}{where}. {kept}; "
+                   "fix the selector and rerun the same command: it resumes from those rows.\n")
 
 
 def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Optional[dict] = None) -> int:
     """Parse ``argv`` into ``config_cls`` and call ``body(config)``; a :class:`ConfigError` raised by either becomes a
-    usage error that names the flag (exit status 2), before or after the model loads. Returns the exit status: 0,
-    or the int ``body`` returned."""
+    usage error that names the flag (exit status 2), before or after the model loads, and so does a selector that
+    fails mid-run (:class:`SelectorFailed`, or the core's error naming it): one paragraph, no traceback. Returns the
+    exit status: 0, or the int ``body`` returned."""
     parser = parser_for(config_cls, (doc or config_cls.__doc__ or "").strip().splitlines()[0], defaults=defaults)
     config = build(config_cls, parser, vars(parser.parse_args(argv)))
     try:
         status = body(config)  # a probe's run may return what it wrote; only an int is an exit status
     except ConfigError as exc:
         parser.error(str(exc))
+    except (SelectorFailed, RuntimeError, ValueError, TypeError) as exc:
+        # A selector that fails mid-run (NaN, inf, a raise, another device) is a --policy refusal like the ones
+        # before the run; the rows already written stay for the rerun. Anything else keeps its traceback.
+        _selector_refusal(parser, config, exc)
+        raise
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
