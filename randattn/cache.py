@@ -36,7 +36,7 @@ __all__ = ["EvictingCache", "EvictingLayer", "round_seed", "select_keep", "ENGIN
 #: every selector as the paper ran it). Rows written before it lack the key, so they are never resumed into.
 ENGINE = "paper"
 
-from .seeding import _check_seed, round_seed  # noqa: E402  (round_seed re-exported: randattn.round_seed)
+from .seeding import _check_seed, check_row_key, round_seed, row_round_seed  # noqa: E402  (round_seed re-exported)
 
 
 def select_keep(scores: torch.Tensor, *, keep: int, recent: int, pinned: Optional[torch.Tensor] = None,
@@ -103,6 +103,12 @@ class EvictingLayer(CacheLayerMixin):
         self.seq_len = 0  # absolute length L seen by this layer
         self.rounds = 0  # eviction rounds applied to this layer (the cache's ``events`` lists them per layer)
         self.round_lengths: list[int] = []  # seq_len at each applied round (per-row accounting in batched runs)
+        # A padded batch (the cache knows its left padding): each row holds its own count of real pairs, right-aligned
+        # in the slots, with dead slots (position -1) on its left, and runs its rounds when *it* holds T + r, as it
+        # would alone. None for an unpadded batch, whose rows always hold the same pairs count.
+        self.held: Optional[list[int]] = None
+        self.row_rounds: list[int] = []  # rounds applied to each row (padded batch)
+        self.row_round_lengths: list[list[int]] = []  # each row's own length at each of its rounds (padded batch)
         # Recent post-RoPE queries for attention-based policies (filled by randattn.capture).
         self.recent_queries: Optional[torch.Tensor] = None  # [B, H_q, <=w, D]
         self.recent_query_positions: Optional[torch.Tensor] = None  # [<=w]
@@ -141,7 +147,9 @@ class EvictingLayer(CacheLayerMixin):
         buf, q = self._buf, keys.shape[2]
         buf["keys"][:, :, start : start + q] = keys
         buf["values"][:, :, start : start + q] = values
-        if q == 1:  # one decode step: a scalar fill, no index tensor
+        if self.held is not None:
+            buf["positions"][:, :, start : start + q] = self._new_positions(*keys.shape[:2], q, buf["positions"].device)
+        elif q == 1:  # one decode step: a scalar fill, no index tensor
             buf["positions"][:, :, start] = self.seq_len
         else:
             buf["positions"][:, :, start : start + q] = torch.arange(self.seq_len, self.seq_len + q,
@@ -153,12 +161,21 @@ class EvictingLayer(CacheLayerMixin):
     def _grow(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append a prefill or chunk longer than the room left: one concatenation into a larger buffer."""
         b, h, q, _ = keys.shape
-        positions = torch.arange(self.seq_len, self.seq_len + q, device=self.positions.device).expand(b, h, q)
+        positions = self._new_positions(b, h, q, self.positions.device)
         new = dict(keys=keys, values=values, positions=positions)
         if self.attention is not None:
             new["attention"] = torch.zeros((b, self.attention.shape[1], q), dtype=torch.float32, device=keys.device)
         old = self._slot_tensors()
         self._store(**{k: torch.cat([old[k], t], dim=2) for k, t in new.items()})
+
+    def _new_positions(self, b: int, h: int, q: int, device) -> torch.Tensor:
+        """Positions ``[B, H, q]`` of the next ``q`` pairs: absolute, or in a padded batch each row's own (its first
+        real token at 0; its padding at -1, a dead slot)."""
+        pos = torch.arange(self.seq_len, self.seq_len + q, device=device)
+        if self.held is None:
+            return pos.expand(b, h, q)
+        rel = (pos[None, :] - self.parent._pads_on(device)[:, None]).clamp_min(-1)
+        return rel[:, None, :].expand(b, h, q)
 
     def keep_slots(self, kept: torch.Tensor) -> None:
         """Keep slots ``kept[B, H_kv, T]`` (sorted) of every per-slot tensor; the rest are freed."""
@@ -194,6 +211,11 @@ class EvictingLayer(CacheLayerMixin):
         if self.parent.needs_attention:
             hq = self._step_queries.shape[1] if self._step_queries is not None else h
             fields["attention"] = torch.zeros((b, hq, 0), dtype=torch.float32, device=key_states.device)
+        if self.parent.pads is not None:
+            if len(self.parent.pads) != b:
+                raise ValueError(f"the padding the cache was told covers {len(self.parent.pads)} rows but layer "
+                                 f"{self.layer_idx} got a batch of {b}; pass the batch's own attention_mask")
+            self.held, self.row_rounds, self.row_round_lengths = [0] * b, [0] * b, [[] for _ in range(b)]
         self._store(**fields)
         self.is_initialized = True
 
@@ -221,7 +243,14 @@ class EvictingLayer(CacheLayerMixin):
             self._accumulate_attention()
         keys, values = self.keys, self.values
         p = self.parent
-        if keys.shape[-2] >= p.budget + p.buffer:
+        if self.held is not None:
+            before = self.seq_len - q
+            for row, pad in enumerate(p.pads):  # the real (non-padding) pairs among the new ones
+                self.held[row] += max(0, self.seq_len - max(before, pad))
+            due = [row for row, n in enumerate(self.held) if n >= p.budget + p.buffer]
+            if due:
+                p.run_round(self, rows=due)
+        elif keys.shape[-2] >= p.budget + p.buffer:
             p.run_round(self)
         # This step attends to everything, as get_mask_sizes promised; the round only shrinks what is stored.
         return keys, values
@@ -241,8 +270,14 @@ class EvictingLayer(CacheLayerMixin):
         logits = (q.to(torch.float32) @ k.transpose(-1, -2)) * self.scaling  # [B, H_q, n, P]
         q_pos = torch.arange(self.seq_len - q.shape[2], self.seq_len, device=q.device)
         slot_pos = self.positions.repeat_interleave(groups, dim=1)  # [B, H_q, P]
-        visible = slot_pos[:, :, None, :] <= q_pos[None, None, :, None]
+        if self.held is None:
+            visible = slot_pos[:, :, None, :] <= q_pos[None, None, :, None]
+        else:  # a padded batch: each row's own positions; dead slots and padding queries take no part
+            q_pos = q_pos[None, :] - self.parent._pads_on(q.device)[:, None]  # [B, n]
+            visible = (slot_pos[:, :, None, :] >= 0) & (slot_pos[:, :, None, :] <= q_pos[:, None, :, None])
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+        if self.held is not None:
+            probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # a padding query sees nothing: no NaN
         self.attention += probs.sum(dim=2)
 
     def observe_queries(self, q: torch.Tensor, scaling: float, window: int) -> None:
@@ -285,9 +320,13 @@ class EvictingLayer(CacheLayerMixin):
         self.seq_len = 0
         self.rounds = 0
         self.round_lengths = []
+        self.held, self.row_rounds, self.row_round_lengths = None, [], []
 
     # Beam search and num_return_sequences move whole batch rows; positions and queries move with them.
     def _map_rows(self, fn) -> None:
+        if self.held is not None and self.is_initialized:
+            raise NotImplementedError("EvictingCache cannot reorder the rows of a padded batch (beam search); use "
+                                      "greedy or sampled decoding, or generate the prompts unpadded one at a time")
         if self.is_initialized:
             self._store(**{name: fn(t) for name, t in self._slot_tensors().items()})
         if self.recent_queries is not None:
@@ -331,6 +370,11 @@ class EvictingCache(Cache):
             score only, ``"attn_pp"`` protected), else ``True``.
         prompt_len: ``l_p``; by default the length of the first forward (the prefill).
         seed: randomness is drawn per (seed, layer, round) in float32 on the cache's device.
+        row_keys: one key per batch row (an int in ``[0, 2**64)`` or a string such as a request id): each row then
+            draws from its own generator seeded by (seed, row key, layer, round), so a prompt with the same key gets
+            the same keep-sets wherever it sits in any batch, padded or not. Default ``None``: one draw per (seed,
+            layer, round) for the whole batch, so a row's draw depends on its place in the batch (what every
+            shipped result ran). Also settable with :meth:`set_row_keys` before the first forward.
         keep_log: record the kept absolute positions of every head at every round
             (:attr:`keep_log`, a :class:`KeepLog`).
         policy_kwargs: options for a named policy (e.g. ``n_sink=4`` for ``"streamingllm"``).
@@ -351,6 +395,7 @@ class EvictingCache(Cache):
         prompt_len: Optional[int] = None,
         seed: int = 0,
         keep_log: bool = False,
+        row_keys: Optional[Iterable] = None,
         **policy_kwargs,
     ):
         for name, val in (("budget", budget), ("buffer", buffer)):
@@ -409,6 +454,147 @@ class EvictingCache(Cache):
                              "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
         if self.prompt_len is not None:
             self._check_prompt_fits(self.prompt_len)
+        # Padded batches: each row's left padding (None: unpadded), learnt from the prompt's attention mask.
+        self.pads: Optional[list[int]] = None
+        self._pads_device: Optional[torch.Tensor] = None
+        self._mask_told_at: Optional[int] = None  # seq_len at the last forward whose mask a guard handed over
+        self.row_keys: Optional[list[int]] = None
+        if row_keys is not None:
+            self.set_row_keys(row_keys)
+
+    # -- padded batches and row keys ---------------------------------------------------------------
+    def set_row_keys(self, keys: Iterable) -> "EvictingCache":
+        """One key per batch row (ints in ``[0, 2**64)`` or strings, e.g. request ids): seeded policies then draw
+        per (seed, row key, layer, round), independent of the batch. Before the first forward only."""
+        if self.get_seq_length():
+            raise ValueError("set_row_keys: the cache already holds a sequence; set row keys before the first forward")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+            raise ValueError(f"row_keys must be a sequence with one key per batch row, got {keys!r}")
+        self.row_keys = [check_row_key(k, f"row_keys[{i}]") for i, k in enumerate(keys)]
+        if not self.row_keys:
+            raise ValueError("row_keys is empty; give one key per batch row")
+        return self
+
+    def set_padding(self, attention_mask: torch.Tensor) -> "EvictingCache":
+        """Tell the cache which prompt slots are padding: ``attention_mask[B, L]`` of the prompt (1 = token, 0 = pad),
+        left padding only. Each row then runs as that prompt would alone: its own positions (first real token at 0,
+        in keep-logs and keep-mask pins too), its own prompt protected, its rounds when it holds ``T + r`` real
+        pairs, padding never attended, kept or counted. ``randattn.generate``, ``decode_step(attention_mask=...)``
+        and a guarded ``model.generate`` call it from the mask they are given."""
+        if self.get_seq_length():
+            raise ValueError("set_padding: the cache already holds a sequence; tell it the prompt's padding before "
+                             "the first forward")
+        if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2:
+            shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be a 2D [batch, tokens] padding mask (1 = token, 0 = pad), got "
+                             f"{shape}; 4D masks are not supported by EvictingCache (slots are not positions once "
+                             f"heads evict)")
+        if attention_mask.dtype.is_floating_point or attention_mask.is_complex():
+            bad = ~((attention_mask == 0) | (attention_mask == 1))
+            if bool(bad.any()):
+                raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+        mask = attention_mask.to(torch.bool).cpu()
+        b, n = mask.shape
+        real = mask.sum(-1)
+        empty = [i for i in range(b) if int(real[i]) == 0]
+        if empty:
+            raise ValueError(f"attention_mask: rows {empty} are all padding (no token to start from); drop them from "
+                             f"the batch")
+        pads = n - real
+        left = torch.arange(n)[None, :] >= pads[:, None]
+        if not torch.equal(left, mask):
+            rows = [i for i in range(b) if not torch.equal(left[i], mask[i])]
+            raise ValueError(f"attention_mask: rows {rows} are not left-padded (zeros after a token: right padding or "
+                             f"holes); EvictingCache supports left padding only: set tokenizer.padding_side = 'left' "
+                             f"(what HF generation expects for decoder-only models)")
+        if self.row_keys is not None and len(self.row_keys) != b:
+            raise ValueError(f"row_keys has {len(self.row_keys)} keys but the batch has {b} rows; give one per row")
+        self.pads = [int(x) for x in pads] if bool(pads.any()) else None
+        self._pads_device = None
+        if self.pads is not None:
+            if self._init_prompt_len is not None:
+                raise ValueError(f"prompt_len={self._init_prompt_len} with a padded batch: each row's prompt is its "
+                                 f"own unpadded prefill; drop prompt_len")
+            self._check_prompt_fits(n - min(self.pads))
+        return self
+
+    @property
+    def prompt_lens(self) -> Optional[list[int]]:
+        """Each row's own prompt length (its prefill less its padding), once known."""
+        if self.prompt_len is None:
+            return None
+        return [self.prompt_len - pad for pad in (self.pads or [0] * self._batch_size())]
+
+    def _batch_size(self) -> int:
+        return self.layers[0].keys.shape[0] if self.layers and self.layers[0].is_initialized else 1
+
+    def _row_prompt_len(self, row: int) -> int:
+        return (self.prompt_len or 0) - (self.pads[row] if self.pads is not None else 0)
+
+    def _pads_on(self, device) -> torch.Tensor:
+        if self._pads_device is None or self._pads_device.device != torch.device(device):
+            self._pads_device = torch.tensor(self.pads, dtype=torch.long, device=device)
+        return self._pads_device
+
+    def forward_attention_mask(self, attention_mask: Optional[torch.Tensor], batch: int, new_tokens: int):
+        """The 2D mask a forward of ``new_tokens`` must hand HF for this cache (the guards call it before every
+        forward). HF looks a 2D mask up by slot (``kv_offset + slot``), which after per-head eviction in a padded
+        batch is not the position; this returns a mask laid out by slot instead: 1 where the row holds a real pair,
+        0 on its dead slots. The prompt's forward learns the padding (:meth:`set_padding`). ``attention_mask`` may be
+        ``None`` after the prompt (a manual loop): the cache knows its padding."""
+        seq = self.get_seq_length()
+        self._mask_told_at = seq
+        if attention_mask is not None:
+            if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2:
+                shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+                raise ValueError(f"attention_mask must be a 2D [batch, tokens] padding mask, got {shape}; 4D masks "
+                                 f"are not supported by EvictingCache (slots are not positions once heads evict)")
+            if tuple(attention_mask.shape) != (batch, seq + new_tokens):
+                raise ValueError(f"attention_mask is shaped {tuple(attention_mask.shape)} but this forward needs "
+                                 f"[batch, cached + new tokens] = [{batch}, {seq + new_tokens}]")
+            if seq == 0:
+                self.set_padding(attention_mask)
+                return attention_mask  # the prompt's own forward: nothing evicted yet, HF's padding mask is exact
+            if not bool(attention_mask[:, -new_tokens:].all()) or (self.pads is None and not bool(attention_mask.all())):
+                raise ValueError("attention_mask has padding after the prompt; EvictingCache supports left padding of "
+                                 "the prompt only (generated or appended tokens are real)")
+        if self.pads is None or seq == 0:
+            return attention_mask
+        layer = self.layers[0]
+        held = torch.tensor(layer.held, dtype=torch.long)
+        p = layer.physical_length
+        by_slot = torch.zeros((batch, seq + new_tokens), dtype=torch.long)
+        by_slot[:, seq - p : seq] = (torch.arange(p)[None, :] >= (p - held)[:, None]).long()
+        by_slot[:, seq:] = 1
+        device = attention_mask.device if attention_mask is not None else layer.keys.device
+        return by_slot.to(device)
+
+    def _refuse_unseen_padding(self) -> None:
+        """A model randattn does not guard builds its mask from the 2D padding mask by slot, which is wrong after a
+        round in a padded batch: find the mask the model was given (its forward's ``attention_mask``) and refuse
+        padding or a 4D mask before anything is stored."""
+        import sys
+
+        from transformers import PreTrainedModel
+
+        frame = sys._getframe(2)
+        for _ in range(24):
+            if frame is None:
+                return
+            if frame.f_code.co_name == "forward" and "attention_mask" in frame.f_code.co_varnames:
+                local = frame.f_locals
+                if isinstance(local.get("self"), PreTrainedModel):
+                    mask = local.get("attention_mask")
+                    if torch.is_tensor(mask) and (mask.dim() != 2 or not bool(mask.all())):
+                        what = "a padded batch" if mask.dim() == 2 else f"a {mask.dim()}D attention mask"
+                        raise ValueError(
+                            f"EvictingCache got {what} on a model randattn does not guard, where HF would map the "
+                            f"mask onto cache slots by position (wrong once heads evict different positions). Call "
+                            f"randattn.install_guards(model) once (randattn.load_model does), or use "
+                            f"randattn.generate / randattn.decode_step(attention_mask=...); then left-padded batches "
+                            f"are exact")
+                    return
+            frame = frame.f_back
 
     def __repr__(self) -> str:
         return (
@@ -416,6 +602,32 @@ class EvictingCache(Cache):
             f"protect_prompt={self.protect_prompt}, prompt_len={self.prompt_len}, seed={self.seed}, "
             f"layers={len(self.layers)}, events={self.events})"
         )
+
+    # The cache serves a model but does not own it: a deep copy serves the same model (shared, however the policy
+    # refers to it), and a pickle leaves it out (bound again at the next forward); neither copies its weights.
+    def __deepcopy__(self, memo: dict) -> "EvictingCache":
+        import copy
+
+        if self._bound_model is not None:
+            memo.setdefault(id(self._bound_model), self._bound_model)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
+    def __copy__(self) -> "EvictingCache":  # copy.copy would otherwise go through __getstate__ and drop the model
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self) -> dict:
+        import copy
+
+        state = self.__dict__.copy()
+        if self._bound_model is not None:
+            state["_bound_model"] = None
+            state["policy"] = copy.deepcopy(self.policy, {id(self._bound_model): None})  # its model references too
+        return state
 
     def reset(self) -> None:
         """Forget everything a sequence left behind, so the next prompt starts as in a new cache: stored pairs,
@@ -427,6 +639,7 @@ class EvictingCache(Cache):
         self._rules = []
         self._model_shape = None
         self._shared = None
+        self.pads, self._pads_device, self._mask_told_at = None, None, None
 
     # -- HF cache API --------------------------------------------------------------------------
     def _layer(self, layer_idx: int) -> EvictingLayer:
@@ -455,9 +668,11 @@ class EvictingCache(Cache):
                             or (layer_idx == 0 and (self._model_shape is None or self._model_shape[0] is None))):
             self._learn_shape(layer_idx, key_states)  # before this layer stores anything of this forward
         layer = self._layer(layer_idx)
+        if layer_idx == 0 and self._mask_told_at != layer.seq_len:
+            self._refuse_unseen_padding()
         if layer.seq_len == 0 and self.prompt_len is None:
             self.prompt_len = key_states.shape[-2]
-            self._check_prompt_fits(self.prompt_len)
+            self._check_prompt_fits(self.prompt_len - (min(self.pads) if self.pads else 0))
         return layer.update(key_states, value_states)
 
     # -- what happened -------------------------------------------------------------------------
@@ -580,8 +795,28 @@ class EvictingCache(Cache):
                                  f"{n_heads} KV heads{where}, valid indices 0..{n_heads - 1}; remove the rule with "
                                  f"clear_keep_masks() and register it with heads in that range")
 
+    @staticmethod
+    def _positions_tensor(positions) -> torch.Tensor:
+        """Keep-mask positions as 1-D int64 on the CPU. Only integers: a fraction would be truncated and a bool read
+        as position 0 or 1, silently pinning another token, so either is refused naming the value."""
+        fix = "pass integer token positions, e.g. range(start, end) or a torch.long tensor"
+        if torch.is_tensor(positions) or isinstance(positions, np.ndarray):
+            t = torch.as_tensor(positions)
+            if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                raise ValueError(f"positions must be integer token positions, got a {t.dtype} tensor "
+                                 f"{t.flatten()[:4].tolist()}; {fix}")
+            return t.flatten().to(torch.long).cpu()
+        items = list(positions)
+        for p in items:
+            boolean = isinstance(p, (bool, np.bool_)) or (torch.is_tensor(p) and p.dtype == torch.bool)
+            integer = isinstance(p, (int, np.integer)) or (torch.is_tensor(p) and p.numel() == 1 and not (
+                p.is_floating_point() or p.is_complex()))
+            if boolean or not integer:
+                raise ValueError(f"positions must be integer token positions, got {p!r}; {fix}")
+        return torch.as_tensor([int(p) for p in items], dtype=torch.long)
+
     def _add_rule(self, positions, layers, heads, *, pin: bool) -> None:
-        pos = torch.as_tensor(list(positions) if not torch.is_tensor(positions) else positions, dtype=torch.long).flatten().cpu()
+        pos = self._positions_tensor(positions)
         if pos.numel() and int(pos.min()) < 0:
             raise ValueError(f"positions must be absolute token positions >= 0, got min {int(pos.min())}")
         layers = None if layers is None else list(layers)  # a generator is read once, not once per check
@@ -631,16 +866,20 @@ class EvictingCache(Cache):
                 evicted = hit if evicted is None else evicted | hit
         return pinned, evicted
 
-    def run_round(self, layer: EvictingLayer) -> None:
+    def run_round(self, layer: EvictingLayer, rows: Optional[list] = None) -> None:
         """One eviction round of one layer: score the candidates, per-head top-(T - recent), keep the recent
-        window, compaction, bookkeeping. The layer calls it when it holds T + r pairs."""
+        window, compaction, bookkeeping. The layer calls it when it holds T + r pairs (in a padded batch, with the
+        ``rows`` that do)."""
         timed_cuda = self.sync_timing and layer.keys.is_cuda
         if timed_cuda:
             torch.cuda.synchronize(layer.keys.device)
         t0 = time.perf_counter()
-        layer.keep_slots(self.select(layer))
-        if self.keep_log is not None:
-            self.keep_log.record(layer.layer_idx, layer.rounds, layer.seq_len, layer.positions)
+        if rows is None:
+            layer.keep_slots(self.select(layer))
+            if self.keep_log is not None:
+                self.keep_log.record(layer.layer_idx, layer.rounds, layer.seq_len, layer.positions)
+        else:
+            self._round_of_rows(layer, rows)
         layer.rounds += 1
         layer.round_lengths.append(layer.seq_len)
         if layer.layer_idx == 0 and layer.rounds % 16 == 0:
@@ -649,88 +888,190 @@ class EvictingCache(Cache):
             torch.cuda.synchronize(layer.keys.device)
         self.round_seconds += time.perf_counter() - t0
 
+    def _row_groups(self, layer: EvictingLayer, rows: list) -> list[list[int]]:
+        """Rows scored together at a round: one view per row with row keys (each its own generator), else rows in
+        the same state (pairs held, rounds, padding), whose candidates line up slot for slot."""
+        if self.row_keys is not None:
+            return [[row] for row in rows]
+        groups: dict = {}
+        for row in rows:
+            state = (layer.held[row] if layer.held is not None else 0,
+                     layer.row_rounds[row] if layer.held is not None else layer.rounds,
+                     self.pads[row] if self.pads is not None else 0)
+            groups.setdefault(state, []).append(row)
+        return list(groups.values())
+
+    def _round_of_rows(self, layer: EvictingLayer, rows: list) -> None:
+        """A padded batch's round for the ``rows`` that hold ``T + r`` real pairs: each keeps ``T``, as alone; every
+        row stays right-aligned, the shorter ones with dead slots (position -1) on their left."""
+        p, b = layer.physical_length, layer.keys.shape[0]
+        kept: dict = {}
+        for group in self._row_groups(layer, rows):
+            offset = p - layer.held[group[0]]
+            view = self.view(layer, layer.held[group[0]] - self.recent, rows=group, offset=offset)
+            for row, idx in zip(group, self._select_view(layer, view, group, offset) + offset):
+                kept[row] = idx
+        held = [self.budget if row in kept else n for row, n in enumerate(layer.held)]
+        width, heads = max(held), layer.keys.shape[1]
+        device = layer.keys.device
+        index = []
+        for row in range(b):
+            src = kept.get(row)
+            if src is None:
+                src = torch.arange(p - held[row], p, device=device).expand(heads, -1)
+            dead = torch.zeros((heads, width - held[row]), dtype=torch.long, device=device)
+            index.append(torch.cat([dead, src], dim=-1))
+        layer.keep_slots(torch.stack(index))
+        for row in range(b):
+            if width > held[row]:
+                layer.positions[row, :, : width - held[row]] = -1
+        layer.held = held
+        for row in sorted(kept):
+            own_len = layer.seq_len - self.pads[row]
+            if self.keep_log is not None:
+                self.keep_log.record(layer.layer_idx, layer.row_rounds[row], own_len,
+                                     layer.positions[row : row + 1, :, width - self.budget :], row=row)
+            layer.row_rounds[row] += 1
+            layer.row_round_lengths[row].append(own_len)
+        layer.rounds = max(layer.row_rounds) - 1  # run_round adds the one this call applied
+
     def candidates(self, layer: EvictingLayer) -> int:
         """Slots of ``layer`` that compete at its next round: all but the newest ``recent``."""
         return layer.physical_length - self.recent
 
-    def view(self, layer: EvictingLayer, n_candidates: Optional[int] = None, seq_len: Optional[int] = None) -> CacheView:
+    def view(self, layer: EvictingLayer, n_candidates: Optional[int] = None, seq_len: Optional[int] = None, *,
+             rows: Optional[list] = None, offset: int = 0) -> CacheView:
         """The read-only view a policy scores at this layer's next round: its candidates only. ``n_candidates``
-        and ``seq_len`` describe a round that another layer of the same forward has reached first."""
+        and ``seq_len`` describe a round that another layer of the same forward has reached first. ``rows`` (batch
+        rows in the same state) and ``offset`` (their first real slot) give one group's view: each row as it would
+        be alone, in its own positions, with its own generator when the cache has row keys."""
         n = self.candidates(layer) if n_candidates is None else n_candidates
         gen = torch.Generator(device=layer.keys.device)
-        gen.manual_seed(round_seed(self.seed, layer.layer_idx, layer.rounds))
-        positions = layer.positions[:, :, :n]
+        if rows is None:
+            sel, pad, round_idx, prompt_len = slice(None), 0, layer.rounds, self.prompt_len or 0
+        else:
+            sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=layer.keys.device)
+            pad = self.pads[rows[0]] if self.pads is not None else 0
+            round_idx = layer.row_rounds[rows[0]] if layer.held is not None else layer.rounds
+            prompt_len = self._row_prompt_len(rows[0])
+        if rows is not None and self.row_keys is not None:
+            gen.manual_seed(row_round_seed(self.seed, self.row_keys[rows[0]], layer.layer_idx, round_idx))
+        else:
+            gen.manual_seed(round_seed(self.seed, layer.layer_idx, round_idx))
+        positions = layer.positions[sel][:, :, offset : offset + n]
+        queries = layer.recent_queries
         return CacheView(
-            keys=layer.keys[:, :, :n],
-            values=layer.values[:, :, :n],
+            keys=layer.keys[sel][:, :, offset : offset + n],
+            values=layer.values[sel][:, :, offset : offset + n],
             positions=positions,
             layer_idx=layer.layer_idx,
-            round_idx=layer.rounds,
-            prompt_len=self.prompt_len or 0,
-            seq_len=layer.seq_len if seq_len is None else seq_len,
+            round_idx=round_idx,
+            prompt_len=prompt_len,
+            seq_len=(layer.seq_len if seq_len is None else seq_len) - pad,
             budget=self.budget,
             buffer=self.buffer,
             generator=gen,
-            queries=layer.recent_queries,
-            query_positions=layer.recent_query_positions,
+            queries=None if queries is None else queries[sel],
+            query_positions=None if layer.recent_query_positions is None else layer.recent_query_positions - pad,
             scaling=layer.scaling,
-            attention=None if layer.attention is None else layer.attention[:, :, :n],
+            attention=None if layer.attention is None else layer.attention[sel][:, :, offset : offset + n],
             recent=self.recent,
             seed=self.seed,
             protect_prompt=self.protect_prompt,
-            pinned=self._pinned(layer.layer_idx, positions),
+            pinned=self._pinned(layer.layer_idx, positions, prompt_len),
         )
 
-    def _pinned(self, layer_idx: int, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    def _pinned(self, layer_idx: int, positions: torch.Tensor, prompt_len: Optional[int] = None) -> Optional[torch.Tensor]:
         pinned, _ = self._rule_masks(layer_idx, positions)
-        if self.protect_prompt and self.prompt_len:
-            prompt = positions < self.prompt_len
+        prompt_len = self.prompt_len if prompt_len is None else prompt_len
+        if self.protect_prompt and prompt_len:
+            prompt = positions < prompt_len
             pinned = prompt if pinned is None else pinned | prompt
         return pinned
 
-    def _scores(self, layer: EvictingLayer, view: CacheView) -> torch.Tensor:
+    def _scores(self, layer: EvictingLayer, view: CacheView, rows: Optional[list] = None, offset: int = 0) -> torch.Tensor:
         if getattr(self.policy, "scope", "layer") != "model":
             return self._checked_scores(view)
         # A policy scored across layers (TriAttention's per-head keep-set shared by all layers) is scored once
         # per round, when the first layer reaches it: every layer's candidates are already stored then, since
         # they exclude the newest `recent` pairs, which this forward is still writing into the later layers.
-        key = (layer.rounds, layer.seq_len, view.shape[-1])
+        key = (view.round_idx, layer.seq_len, view.shape[-1], None if rows is None else tuple(rows))
         if self._shared is None or self._shared[0] != key:
             n = view.shape[-1]
-            short = [l.layer_idx for l in self.layers if l.physical_length < n]
+            short = [l.layer_idx for l in self.layers if l.physical_length < n + offset]
             if short:
                 raise ValueError(
                     f"policy {self.policy.name!r} scores all layers at once, but layers {short} do not hold the "
                     f"{n} candidates of this round yet (a round inside a forward of more than recent={self.recent} "
                     f"tokens, e.g. an unprotected prefill longer than T + r); use its per-layer variant")
-            views = [view if l is layer else self.view(l, n, layer.seq_len) for l in self.layers]
-            try:
-                scores = self.policy.score_layers(views)
-            except Exception as exc:
-                raise RuntimeError(f"policy {self.policy.name!r} failed at round {view.round_idx}: {exc}") from exc
+            views = [view if l is layer else self.view(l, n, layer.seq_len, rows=rows, offset=offset)
+                     for l in self.layers]
+            scores = self._run_policy(lambda: self.policy.score_layers(views), views, f"round {view.round_idx}")
+            if not isinstance(scores, (list, tuple)) or len(scores) != len(views):
+                got = f"{len(scores)} score tensors" if isinstance(scores, (list, tuple)) else type(scores).__name__
+                raise TypeError(f"policy {self.policy.name!r}: score_layers returned {got} at round {view.round_idx}; "
+                                f"expected a list of {len(views)}, one per layer in order")
             self._shared = (key, [self._check_shape(v, s) for v, s in zip(views, scores)])
         return self._shared[1][layer.layer_idx]
 
     def select(self, layer: EvictingLayer) -> torch.Tensor:
         """Sorted slot indices ``[B, H_kv, T]`` each head keeps at this layer's round (see :func:`select_keep`)."""
-        view = self.view(layer)
+        if self.row_keys is not None:  # each row from its own generator
+            if len(self.row_keys) != layer.keys.shape[0]:
+                raise ValueError(f"row_keys has {len(self.row_keys)} keys but the batch has {layer.keys.shape[0]} "
+                                 f"rows; give one per row")
+            return torch.cat([self._select_view(layer, self.view(layer, rows=[row]), [row])
+                              for row in range(layer.keys.shape[0])])
+        return self._select_view(layer, self.view(layer))
+
+    def _select_view(self, layer: EvictingLayer, view: CacheView, rows: Optional[list] = None, offset: int = 0):
         _, evicted = self._rule_masks(layer.layer_idx, view.positions)
         try:
-            return select_keep(self._scores(layer, view), keep=view.keep, recent=self.recent, pinned=view.pinned,
-                               evicted=evicted)
+            return select_keep(self._scores(layer, view, rows, offset), keep=view.keep, recent=self.recent,
+                               pinned=view.pinned, evicted=evicted)
         except ValueError as exc:
             raise ValueError(f"layer {layer.layer_idx}: {exc} (T={self.budget}, recent={self.recent})") from None
 
     def _checked_scores(self, view: CacheView) -> torch.Tensor:
-        try:
-            scores = self.policy.score(view)
-        except Exception as exc:
-            raise RuntimeError(f"policy {self.policy.name!r} failed at layer {view.layer_idx}, round {view.round_idx}: {exc}") from exc
+        scores = self._run_policy(lambda: self.policy.score(view), [view],
+                                  f"layer {view.layer_idx}, round {view.round_idx}")
         return self._check_shape(view, scores)
 
+    # A policy is shown the cache's own tensors (views of its storage: a copy per round would cost what the round
+    # costs), so a write into one would silently change what is kept or attended later. Every in-place write bumps
+    # a tensor's version counter: comparing the counters around the call catches it for the price of a few ints.
+    # Inference tensors keep no counter; the policy then runs outside inference mode, where torch refuses an in-place
+    # write into them. Writes through ``.data`` or ``.numpy()`` escape both.
+    _SHOWN = ("keys", "values", "positions", "attention", "pinned", "queries", "query_positions")
+
+    def _run_policy(self, call: Callable, views: list, where: str):
+        shown = [(v, name, getattr(v, name)) for v in views for name in self._SHOWN]
+        shown = [(v, name, t) for v, name, t in shown if torch.is_tensor(t)]
+        versions = [None if t.is_inference() else t._version for _, _, t in shown]
+        fix = "a policy must not modify the tensors it is shown (clone first, e.g. view.{}.clone())"
+        try:
+            if None in versions:
+                with torch.inference_mode(False), torch.no_grad():
+                    out = call()
+            else:
+                out = call()
+        except Exception as exc:
+            if "Inplace update to inference tensor" in str(exc):
+                names = ", ".join(f"view.{name}" for name in self._SHOWN)
+                raise RuntimeError(f"policy {self.policy.name!r} wrote into one of the tensors it is shown ({names}) "
+                                   f"at {where}; {fix.format('keys')}") from None
+            raise RuntimeError(f"policy {self.policy.name!r} failed at {where}: {type(exc).__name__}: {exc}") from exc
+        for (view, name, t), before in zip(shown, versions):
+            if before is not None and t._version != before:
+                raise RuntimeError(f"policy {self.policy.name!r} wrote into view.{name} at layer {view.layer_idx}, "
+                                   f"round {view.round_idx}; {fix.format(name)}")
+        return out
+
     def _check_shape(self, view: CacheView, scores) -> torch.Tensor:
+        where = f"at layer {view.layer_idx}, round {view.round_idx}"
         if not torch.is_tensor(scores):
-            raise TypeError(f"policy {self.policy.name!r} returned {type(scores).__name__}; expected a Tensor shaped {view.shape}")
+            raise TypeError(f"policy {self.policy.name!r} returned {type(scores).__name__} {where}; expected a Tensor "
+                            f"shaped {view.shape}")
         try:
             scores = torch.broadcast_to(scores, view.shape)
         except RuntimeError:
@@ -738,7 +1079,28 @@ class EvictingCache(Cache):
                 f"policy {self.policy.name!r} returned scores shaped {tuple(scores.shape)}; expected [B, H_kv, S] = "
                 f"{list(view.shape)} (or broadcastable to it)"
             ) from None
+        if scores.device != view.positions.device:  # a meta or other-device tensor fails deep inside torch otherwise
+            raise ValueError(f"policy {self.policy.name!r} returned scores on device {scores.device} {where}; the "
+                             f"cache is on {view.positions.device}: create them there (device=view.keys.device)")
+        wide = scores
         scores = scores.to(torch.float32)
-        if bool(torch.isnan(scores).any()):
-            raise ValueError(f"policy {self.policy.name!r} returned NaN scores at layer {view.layer_idx}, round {view.round_idx}")
+        # Rounds rank in float32, where +inf is a pin and -inf a forced eviction: a finite float64 score beyond
+        # float32's range would silently become one of them.
+        if wide.dtype == torch.float64 and bool((torch.isinf(scores) & torch.isfinite(wide)).any()):
+            raise ValueError(f"policy {self.policy.name!r} returned float64 scores {where} that float32 cannot hold "
+                             f"(|score| up to {float(wide[torch.isfinite(wide)].abs().max()):.3g}, float32 stops at "
+                             f"{torch.finfo(torch.float32).max:.3g}); cast to float32 they would become +inf (pins) or "
+                             f"-inf (forced evictions); rescale them (e.g. take a log) or return float32")
+        nan, neg, pins = torch.stack([torch.isnan(scores).any().long(), torch.isneginf(scores).any().long(),
+                                      torch.isposinf(scores).sum(-1).amax()]).tolist()  # one sync, not three
+        if nan:
+            raise ValueError(f"policy {self.policy.name!r} returned NaN scores {where}")
+        if neg:
+            raise ValueError(f"policy {self.policy.name!r} returned -inf scores {where}: the cache marks forced "
+                             f"evictions with -inf, so the round would count them as such; return a finite low score "
+                             f"(e.g. -1e30), or call cache.force_evict for positions that must go")
+        if pins > view.keep:
+            raise ValueError(f"{pins} pairs are pinned in one head {where} by the policy's own pins alone (policy "
+                             f"{self.policy.name!r} scored them +inf), but a round keeps only T - recent = {view.keep} "
+                             f"of the older pairs; pin fewer (+inf marks a pin) or raise the budget")
         return scores

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ._memory import release_free_memory
 from .cache import EvictingCache
-from .models import cache_argument_name, install_guards, refuse_used_cache
+from .models import _refuse_cache_misuse, cache_argument_name, install_guards, refuse_used_cache
 
 __all__ = ["generate", "decode_step", "replay", "replay_tokenwise", "Replay", "ReplayResult"]
 
@@ -23,22 +23,32 @@ def _check_fresh(cache: EvictingCache, where: str) -> None:
     refuse_used_cache(cache, where)
 
 
+def _check_ids(input_ids, where: str) -> None:
+    # An empty batch or prompt would fail deep inside the model (a reshape of 0 elements) with no hint.
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        got = f"shape {tuple(input_ids.shape)}" if torch.is_tensor(input_ids) else f"a {type(input_ids).__name__}"
+        raise ValueError(f"{where}: input_ids must be [batch, tokens] with at least one row and one token, got {got}")
+
+
 def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_mask=None, **generate_kwargs) -> torch.Tensor:
-    """``model.generate`` with ``cache``, checked first: equal-length (unpadded) prompts only,
-    budget large enough for a protected prompt, the cache passed under the right keyword for this
-    transformers version. Returns the generated ids (prompt included), like ``model.generate``.
+    """``model.generate`` with ``cache``, checked first: a left-padded ``attention_mask`` (each row then runs exactly
+    as its prompt alone; right padding is refused), a budget large enough for every row's protected prompt, the
+    cache passed under the right keyword for this transformers version. Returns the generated ids (prompt
+    included), like ``model.generate``.
 
     ``cache`` must be fresh (a new EvictingCache, or one after ``cache.reset()``): one that already holds a
     sequence is refused, as ``model.generate`` refuses it once :func:`randattn.install_guards` ran."""
     _check_fresh(cache, "randattn.generate")
+    _check_ids(input_ids, "randattn.generate")
+    _refuse_cache_misuse(model, {**generate_kwargs, "cache": cache}, "randattn.generate", forward=False)
     install_guards(model)
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "attention_mask has padding: EvictingCache needs equal-length prompts in a batch (left padding would be "
-            "mapped onto evicted slots wrongly). Generate prompts of different lengths separately."
-        )
+    if attention_mask is not None:
+        if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {shape}")
+        cache.set_padding(attention_mask)  # refuses right padding, all-padding rows, prompts T cannot protect
     if cache.protect_prompt and cache.prompt_len is None:
-        cache._check_prompt_fits(input_ids.shape[1])
+        cache._check_prompt_fits(input_ids.shape[1] - (min(cache.pads) if cache.pads else 0))
     if generate_kwargs.get("assistant_model") is not None or generate_kwargs.get("prompt_lookup_num_tokens"):
         raise ValueError("assisted / prompt-lookup decoding rolls the cache back, which eviction makes impossible")
     if attention_mask is None:
@@ -51,7 +61,8 @@ def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_
 
 
 @torch.no_grad()
-def decode_step(model, input_ids: torch.Tensor, cache: EvictingCache, *, logits_to_keep: int = 0) -> torch.Tensor:
+def decode_step(model, input_ids: torch.Tensor, cache: EvictingCache, *, logits_to_keep: int = 0,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One forward of new tokens ``[B, n]`` through ``cache``; returns logits ``[B, n, V]``.
 
     Positions come from the cache's absolute length, so this is all a manual decode loop needs::
@@ -62,12 +73,26 @@ def decode_step(model, input_ids: torch.Tensor, cache: EvictingCache, *, logits_
             logits = decode_step(model, nxt, cache)
 
     ``logits_to_keep=n`` computes logits for the last ``n`` tokens only (0: all of them).
+
+    A left-padded batch: pass the prompt's ``attention_mask[B, n]`` with the first call (later calls need none; a
+    mask given then must cover cached + new tokens). Each row then gets its own positions (first real token at 0)
+    and runs as its prompt alone. 4D masks are refused.
     """
+    _check_ids(input_ids, "randattn.decode_step")
     if getattr(model, "_randattn_checks_handle", None) is None:
         install_guards(model)  # once: a model loaded without randattn gets the same checks and warnings
     start = cache.get_seq_length()
+    if start == 0 and attention_mask is not None:
+        if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask of the prompt must match input_ids {tuple(input_ids.shape)}, got {shape}")
+        cache.set_padding(attention_mask)
     pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+    if cache.pads is not None:  # each row's own positions; its padding (masked) at 0
+        pos = (pos - torch.tensor(cache.pads, device=input_ids.device)[:, None]).clamp_min(0)
     extra = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    if attention_mask is not None:
+        extra["attention_mask"] = attention_mask
     out = model(input_ids=input_ids, position_ids=pos, use_cache=True, **{cache_argument_name(model): cache}, **extra)
     return out.logits
 
@@ -119,6 +144,7 @@ class _Collector:
 
 def _prefill(model, input_ids, cache, prompt_len, score_from: int = 0):
     _check_fresh(cache, "randattn.replay")
+    _check_ids(input_ids, "randattn.replay")
     install_guards(model)
     t = input_ids.shape[1]
     try:

@@ -21,6 +21,10 @@ class KeepLog:
     next round) sees ``kept`` plus positions ``seq_len..t``. ``recent`` is the cache's recent window:
     at a round the newest ``recent`` positions were kept outside the competition, so position ``p``
     competed at a round of length ``seq_len`` only if ``p < seq_len - recent``.
+
+    A padded batch runs each row's rounds on its own, so its records are per row: ``rows[i]`` is the batch row of
+    record ``i`` (``kept`` then ``[1, H_kv, K]``, positions and ``seq_len`` in the row's own coordinates: its first
+    real token at 0), ``None`` for a record of the whole batch. :meth:`row` gives one row's log.
     """
 
     recent: int = 0
@@ -28,12 +32,23 @@ class KeepLog:
     rounds: list = field(default_factory=list)
     seq_lens: list = field(default_factory=list)
     kept: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
 
-    def record(self, layer_idx: int, round_idx: int, seq_len: int, positions: torch.Tensor) -> None:
+    def record(self, layer_idx: int, round_idx: int, seq_len: int, positions: torch.Tensor,
+               row: Optional[int] = None) -> None:
+        self.rows.append(None if row is None else int(row))
         self.layers.append(int(layer_idx))
         self.rounds.append(int(round_idx))
         self.seq_lens.append(int(seq_len))
         self.kept.append(positions.detach().to("cpu", torch.int32).numpy())
+
+    def row(self, b: int) -> "KeepLog":
+        """Row ``b``'s records alone (``kept[1, H, K]``), as that row's prompt would have logged them by itself."""
+        out = KeepLog(recent=self.recent)
+        for r, l, rd, s, k in zip(self.rows or [None] * len(self), self.layers, self.rounds, self.seq_lens, self.kept):
+            if r is None or r == b:
+                out.record(l, rd, s, torch.from_numpy(k[b : b + 1] if r is None else k))
+        return out
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -53,6 +68,7 @@ class KeepLog:
             round=np.asarray(self.rounds, np.int32),
             seq_len=np.asarray(self.seq_lens, np.int64),
             kept=kept,
+            row=np.asarray([-1 if r is None else r for r in (self.rows or [None] * len(self))], np.int64),
         )
 
     @classmethod
@@ -63,6 +79,8 @@ class KeepLog:
             log.rounds = z["round"].tolist()
             log.seq_lens = z["seq_len"].tolist()
             log.kept = list(z["kept"])
+            rows = z["row"].tolist() if "row" in z.files else [-1] * len(log.layers)
+            log.rows = [None if r < 0 else int(r) for r in rows]
         return log
 
     def visible_mask(self, layer_idx: int, seq_len: int, batch: int, heads: int, device=None) -> torch.Tensor:
@@ -71,6 +89,9 @@ class KeepLog:
         Causal, minus everything evicted by rounds that ran before the query was processed. This
         is the reference that physical eviction must reproduce.
         """
+        if any(r is not None for r in self.rows):
+            raise ValueError("this keep-log holds a padded batch's per-row records; take one row's with "
+                             "keep_log.row(b) (its own positions) and build that row's mask")
         t = torch.arange(seq_len)
         vis = (t[None, :] <= t[:, None]).expand(batch, heads, seq_len, seq_len).clone()
         for _, start, kept in self.for_layer(layer_idx):

@@ -382,6 +382,25 @@ def _sliding_window(config) -> Optional[int]:
     return int(window) if window else None
 
 
+# Attention biases computed from cache slot indices or the cache length. After per-head eviction a slot is no
+# longer a token position, so these would use wrong distances: silently (Bloom, MPT) or with a shape error after
+# the first round (Falcon's ALiBi, built over the logical length). Checked on transformers 5.23.
+_SLOT_BIAS_MODEL_TYPES = {
+    "bloom": "ALiBi biases built from the cache's slot indices (arange over its length)",
+    "mpt": "ALiBi biases sliced to the cache's last slots",
+    "inkling_text": "a learned relative position bias over slot indices (arange(kv_length) + offset)",
+    "inkling2_text": "a learned relative position bias over slot indices (arange(kv_length) + offset)",
+    "cpmant": "a learned relative position bias computed over the cache length",
+}
+
+
+def _slot_bias(text) -> Optional[str]:
+    """Why ``text`` (a decoder config) builds attention biases from slot indices, or ``None``."""
+    if text.model_type == "falcon" and getattr(text, "alibi", False):
+        return "ALiBi biases built over the cache length (alibi=True)"
+    return _SLOT_BIAS_MODEL_TYPES.get(text.model_type)
+
+
 def check_model(model) -> None:
     """Raise :class:`UnsupportedModelError` naming the reason if the cache cannot serve ``model``."""
     cfg = model.config
@@ -404,6 +423,14 @@ def check_model(model) -> None:
         )
     if not hasattr(text, "num_key_value_heads") and not hasattr(text, "num_attention_heads"):
         raise UnsupportedModelError(f"{text.model_type}: config names no attention heads; not a transformer decoder")
+    bias = _slot_bias(text)
+    if bias:
+        raise UnsupportedModelError(
+            f"{text.model_type}: its attention adds {bias}; after per-head eviction a cache slot is no longer a "
+            f"token position, so the biases would use wrong distances (wrong outputs, often without any error). "
+            f"EvictingCache serves models with rotary positions (Llama, Mistral, Qwen2/3, Phi-3, Falcon with "
+            f"alibi=False); run this model without an EvictingCache (full attention)"
+        )
 
 
 def cache_argument_name(model) -> str:
@@ -412,22 +439,56 @@ def cache_argument_name(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _forward_parameters(model) -> frozenset:
+    """The keywords ``model.forward`` takes, read once per forward function (every forward asks)."""
+    func = getattr(model.forward, "__func__", model.forward)
+    memo = model.__dict__.get("_randattn_forward_params")
+    if memo is None or memo[0] is not func:
+        params = frozenset(inspect.signature(model.forward).parameters)
+        memo = model.__dict__["_randattn_forward_params"] = (func, params)
+    return memo[1]
+
+
+def _refuse_cache_misuse(model, kwargs: dict, where: str, *, forward: bool) -> None:
+    """Refuse an EvictingCache the model would not decode through: ``use_cache=False`` (generate then re-feeds the
+    whole sequence, and the result reflects no eviction), a second cache keyword beside it, or (at a forward) a
+    keyword its ``forward`` lacks, which it would ignore and build a cache of its own: no eviction, no error."""
+    from .cache import EvictingCache
+
+    given = [k for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
+    if not any(isinstance(kwargs[k], EvictingCache) for k in given):
+        return
+    if len(given) == 2:
+        raise ValueError(f"{where}: past_key_values= beside cache=: give the EvictingCache once, as "
+                         f"{cache_argument_name(model)}= (the keyword this transformers version takes)")
+    if kwargs.get("use_cache") is False or getattr(kwargs.get("generation_config"), "use_cache", None) is False:
+        raise ValueError(f"{where}: use_cache=False with an EvictingCache: the model would not decode through the "
+                         f"cache (generate re-feeds the whole sequence at every step), so no eviction shapes the "
+                         f"result; drop use_cache=False")
+    if forward and given[0] not in _forward_parameters(model):
+        name = cache_argument_name(model)
+        raise ValueError(f"{where}: {given[0]}=: this transformers version takes the cache as {name}=; its forward "
+                         f"would ignore {given[0]}= and build a cache of its own (no eviction); pass {name}=, or use "
+                         f"randattn.generate / randattn.decode_step, which pick the keyword")
+
+
 def _guard_hook(module, args, kwargs):
     from .cache import EvictingCache
 
+    _refuse_cache_misuse(module, kwargs, "model(...)", forward=True)
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
     if not isinstance(cache, EvictingCache):
         return None
-    mask = kwargs.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all()):
-        raise ValueError(
-            "EvictingCache does not support padded batches: HF maps a 2D padding mask onto cache slots by position, "
-            "which is wrong once heads have evicted different positions. Batch prompts of equal length (no padding) "
-            "or generate them one at a time."
-        )
     window = getattr(module, "_randattn_sliding_window", None)
     ids = kwargs.get("input_ids", args[0] if args else None)
-    q = ids.shape[1] if torch.is_tensor(ids) else kwargs["inputs_embeds"].shape[1]
+    embeds = ids if torch.is_tensor(ids) else kwargs["inputs_embeds"]
+    q = embeds.shape[1]
+    # Padded batches: HF looks a 2D mask up by slot, which after eviction is not the position, so the cache hands
+    # over a mask laid out by slot (and learns the prompt's padding at its first forward).
+    mask = kwargs.get("attention_mask")
+    by_slot = cache.forward_attention_mask(mask, embeds.shape[0], q)
+    if by_slot is not mask:
+        kwargs = {**kwargs, "attention_mask": by_slot}
     if window is not None and cache.get_seq_length() + q > window:
         raise UnsupportedModelError(
             f"{module.config.model_type} uses sliding-window attention (window {window}); past {window} tokens its "
@@ -435,7 +496,7 @@ def _guard_hook(module, args, kwargs):
             f"Keep sequences under {window} tokens, or load the model with the window disabled "
             f"(config.sliding_window=None) if it was trained with full attention."
         )
-    return None
+    return (args, kwargs) if by_slot is not mask else None
 
 
 def used_cache_problem(cache) -> Optional[str]:
@@ -466,6 +527,7 @@ def _guarded_generate(self, *args, **kwargs):
     sequence (passed as ``past_key_values=`` or ``cache=``); installed by :func:`install_guards`."""
     from .cache import EvictingCache
 
+    _refuse_cache_misuse(self, kwargs, "model.generate", forward=False)
     for key in ("past_key_values", "cache"):
         cache = kwargs.get(key)
         if isinstance(cache, EvictingCache):
@@ -524,7 +586,9 @@ def install_guards(model) -> None:
 
     - ``model.generate`` refuses an EvictingCache that already holds a sequence (under ``past_key_values=`` or
       ``cache=``): create a fresh cache per call, or call ``cache.reset()``;
-    - padded batches, and sliding windows exceeded, are refused at every forward;
+    - left-padded batches are exact: the cache learns each row's padding from the prompt's 2D attention mask and
+      hands HF a mask laid out by cache slot at every forward; right padding and 4D masks are refused;
+    - sliding windows exceeded are refused at every forward;
     - keep-mask pins naming a layer or KV head the model lacks are refused before the first forward stores anything;
     - a sequence longer than ``config.max_position_embeddings`` warns once.
 
@@ -534,6 +598,7 @@ def install_guards(model) -> None:
     sequence from a reused cache."""
     from .capture import install_query_capture
 
+    check_model(model)  # every entry point passes here: refuse before the first forward
     model._randattn_sliding_window = _sliding_window(model.config)
     if getattr(model, "_randattn_guard_handle", None) is None:
         model._randattn_guard_handle = model.register_forward_pre_hook(_guard_hook, with_kwargs=True)

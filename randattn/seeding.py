@@ -1,10 +1,13 @@
-"""Seeds of the eviction draws: one well-mixed 63-bit seed per (seed, layer, round), so neighbours don't correlate."""
+"""Seeds of the eviction draws: one well-mixed 63-bit seed per (seed, layer, round), so neighbours don't correlate;
+with a row key, per (seed, row key, layer, round), so a row's draw does not depend on the batch it sits in."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seed"]
+__all__ = ["round_seed", "row_round_seed", "check_row_key"]
+
+import hashlib
 
 _MASK64 = (1 << 64) - 1
 
@@ -39,3 +42,22 @@ def round_seed(seed: int, layer_idx: int, round_idx: int) -> int:
     x = _splitmix64(x ^ (layer_idx & _MASK64))
     x = _splitmix64(x ^ (round_idx & _MASK64))
     return x & ((1 << 63) - 1)
+
+
+def check_row_key(key, name: str = "row key") -> int:
+    """A row key as the 64-bit integer that is mixed: a non-negative int below ``2**64`` as it is, a string (a
+    request id) by its BLAKE2b digest. Anything else is refused."""
+    if isinstance(key, str):
+        return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)) or not 0 <= int(key) <= _MASK64:
+        raise ValueError(f"{name} must be a string (a request id) or an integer in [0, 2**64), got {key!r} "
+                         f"({type(key).__name__})")
+    return int(key)
+
+
+def row_round_seed(seed: int, row_key: int, layer_idx: int, round_idx: int) -> int:
+    """Seed of one row's draw at one (layer, round): a function of (seed, row key, layer, round) only, never of the
+    row's place in a batch. A distinct stream from :func:`round_seed` (the row key is mixed in first)."""
+    key = check_row_key(row_key)
+    x = _splitmix64(_splitmix64(_check_seed(seed) ^ 0x5EED_0F_80E5) ^ key)
+    return round_seed(x, layer_idx, round_idx)

@@ -72,14 +72,15 @@ def test_a_paper_mode_name_carries_its_protection():
         randattn.EvictingCache("attn", budget=32, buffer=8, protect_prompt=True)
 
 
-def test_left_padded_batch_is_refused_in_hf_generate(tiny):
+def test_right_padded_batch_is_refused_in_hf_generate(tiny):
+    """Left padding is exact (tests/test_padded_batches.py); right padding would put pads among the real pairs."""
     model = tiny("llama")
     ids = random_ids(2, 12)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="does not support padded batches"):
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match=r"rows \[0\] are not left-padded"):
         model.generate(ids, attention_mask=mask, past_key_values=randattn.EvictingCache("random", budget=32, buffer=8), max_new_tokens=3)
-    with pytest.raises(ValueError, match="attention_mask has padding"):
+    with pytest.raises(ValueError, match=r"rows \[0\] are not left-padded"):
         randattn.generate(model, ids, randattn.EvictingCache("random", budget=32, buffer=8), attention_mask=mask, max_new_tokens=3)
 
 
