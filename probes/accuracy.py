@@ -35,7 +35,8 @@ from __future__ import annotations
 import ast
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +47,7 @@ from tqdm.auto import tqdm
 import randattn
 from randattn.analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
                                        warn_uncompressed)
+from randattn.analysis.files import write_text
 from randattn.stats import comparison_table
 
 from . import cli
@@ -54,6 +56,7 @@ from .planted_run import load, write_csv
 from .policy_specs import (bind_policies, calibration_options, check_policy, check_stats_used, native_protection,
                            seed_free)
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
+from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
@@ -104,10 +107,17 @@ class Config(RunConfig):
     temperature: Optional[float] = option(None, "0 = greedy (default); > 0 samples; --protocol grid: the model card's "
                                                 "(generation config)", check=NONNEGATIVE)
     top_p: Optional[float] = option(None, "nucleus sampling with --temperature (default 1)")
-    batch: int = option(32, "problems of equal prompt length generated together", check=POSITIVE)
+    batch: int = option(32, "problems of equal prompt length generated together (with --pack: any problems)",
+                        check=POSITIVE)
+    pack: bool = option(False, "pack problems of different prompt lengths into left-padded batches, sorted by "
+                               "length; each row draws by its own key (problem, run), so its keep-sets do not depend "
+                               "on the batch (rows are written to a -packed results file)")
     policy_option: tuple[str, ...] = option((), "policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 "
                                                 "(override the task's)", metavar="POLICY:KEY=VALUE")
     stats: Optional[str] = option(None, "TriAttention statistics file (default: the embedded model's)")
+    unsafe_code_grading: bool = option(False, "code tasks: run the generated programs without the bubblewrap "
+                                              "sandbox, with resource limits alone (they can read, write and reach "
+                                              "the network as you); only where bwrap cannot be installed")
     options: dict = option({}, "resolved policy options", cli=False)
 
     def check(self) -> None:
@@ -206,31 +216,39 @@ class Generation:
         return cls(config.buffer, config.max_new_tokens, config.temperature, config.top_p, dict(config.options))
 
 
-def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int, args, stats) -> list[dict]:
-    """Generate one batch of equal-length prompts under ``arm``; per row: text, length, EOS, rounds."""
-    ids = torch.tensor(prompts, device=model.device)
-    prompt_len = ids.shape[1]
-    cache = make_cache(arm, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens, buffer=args.buffer, seed=seed,
+def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int, args, stats,
+                   row_keys: Optional[list] = None) -> list[dict]:
+    """Generate one batch under ``arm``: prompts of equal length, or (``row_keys``, one per prompt) any lengths,
+    left-padded, each row drawing by its own key; per row: text, length, EOS, rounds."""
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(eos_ids(model, tok)), 0)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    cache = make_cache(arm, prompt_len=width, max_new_tokens=args.max_new_tokens, buffer=args.buffer, seed=seed,
                        stats=stats, options=args.options)
+    if row_keys is not None and arm.policy != FULL:
+        cache.set_row_keys(row_keys)
     stop = eos_ids(model, tok)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 \
         else {"do_sample": False}
     if args.temperature > 0:
         torch.manual_seed(seed)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(stop), 0)
-    out = randattn.generate(model, ids, cache, max_new_tokens=args.max_new_tokens, pad_token_id=pad, **sampling)
-    return rows_of(out[:, prompt_len:].tolist(), prompt_len=prompt_len, cache=cache, tok=tok, stop=stop)
+    out = randattn.generate(model, ids, cache, max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                            attention_mask=mask if width > min(len(p) for p in prompts) else None, **sampling)
+    return rows_of(out[:, width:].tolist(), prompt_lens=[len(p) for p in prompts], cache=cache, tok=tok, stop=stop)
 
 
-def rows_of(gen: list[list[int]], *, prompt_len: int, cache, tok, stop: set[int]) -> list[dict]:
+def rows_of(gen: list[list[int]], *, prompt_lens: list[int], cache, tok, stop: set[int]) -> list[dict]:
     """Per generated row: text up to its first stop token, length, EOS, and the eviction rounds that shaped it."""
-    fired = cache.layers[0].round_lengths if cache.layers else []
+    layer = cache.layers[0] if cache.layers else None
     rows = []
-    for g in gen:
+    for b, (g, prompt_len) in enumerate(zip(gen, prompt_lens)):
         end = next((i + 1 for i, t in enumerate(g) if t in stop), None)
         length = end if end is not None else len(g)
         # A round at sequence length s runs after that step's attention, so it shapes tokens from position s + 1 on;
         # rows that stopped early share the cache with rows that go on, so count only rounds before this row's end.
+        # A padded batch's rows run their own rounds, at their own lengths.
+        fired = [] if layer is None else layer.row_round_lengths[b] if layer.held is not None else layer.round_lengths
         events = sum(s < prompt_len + length - 1 for s in fired)
         rows.append({"prompt_len": prompt_len, "gen_len": length, "terminated": end is not None, "events": events,
                      "cache_events": cache.events[0] if cache.layers else 0,
@@ -264,32 +282,43 @@ def versions() -> dict:
     return {"randattn": randattn.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def pending_batches(arms, problems, prompts, runs_of, done, batch) -> list[tuple]:
-    """``(arm, run, [problem indices])`` still to do, batching problems of equal prompt length."""
+def pending_batches(arms, problems, prompts, runs_of, done, batch, pack: bool = False) -> list[tuple]:
+    """``(arm, run, [problem indices])`` still to do, batching problems of equal prompt length (``pack``: of any
+    length, sorted by it so that neighbours need little padding)."""
     work = []
     for arm in arms:
         for run in range(runs_of(arm)):
             by_len = defaultdict(list)
             for i, prob in enumerate(problems):
                 if (prob.id, run, arm.policy, arm.budget, arm.protect) not in done:
-                    by_len[len(prompts[i])].append(i)
+                    by_len[0 if pack else len(prompts[i])].append(i)
             for idx in by_len.values():
+                if pack:
+                    idx = sorted(idx, key=lambda i: (len(prompts[i]), i))
                 work += [(arm, run, idx[b:b + batch]) for b in range(0, len(idx), batch)]
     return work
+
+
+def row_key(problem_id, run: int) -> str:
+    """A packed row's draw key: the same (problem, run) draws the same wherever it sits in any batch."""
+    return f"{problem_id}/run{run}"
 
 
 def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args) -> None:
     """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
     work = pending_batches(arms, problems, prompts, lambda arm: runs_for(arm, args.runs, args.temperature), rf.done,
-                           args.batch)
+                           args.batch, args.pack)
     if not work:
         return
     bar = tqdm(total=sum(len(idx) for *_, idx in work), desc=f"accuracy: {task.name}", unit="gen")
     score = defaultdict(list)
     for arm, run, idx in work:
-        seed = batch_seed(args.seed, run, idx[0])
+        # Packed rows draw by their own key, so their seed must not name the batch's first problem either.
+        seed = batch_seed(args.seed, run, 0 if args.pack else idx[0])
+        keys = [row_key(problems[i].id, run) for i in idx] if args.pack else None
         try:
-            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=args.stats)
+            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=args.stats,
+                                  row_keys=keys)
         except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
             bar.close()
             raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") from None
@@ -347,7 +376,7 @@ def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[di
     if any(m == "random" for m, _ in results):
         for fmt, ext in (("csv", ".table.csv"), ("latex", ".table.tex"), ("markdown", ".table.md")):
             path = out.with_suffix(ext)
-            path.write_text(comparison_table(results, reference="random", fmt=fmt))
+            write_text(path, comparison_table(results, reference="random", fmt=fmt))  # atomic, only over ours
             paths[fmt] = path
     return paths
 
@@ -389,7 +418,9 @@ def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
 # -- main ---------------------------------------------------------------------------------------------
 def default_name(model_name: str, task: str, config) -> str:
     sampling = f"-T{config.temperature:g}-p{config.top_p:g}" if config.temperature > 0 else ""
-    return f"{Path(str(model_name)).name}-{task}-r{config.buffer}-n{config.max_new_tokens}{sampling}-s{config.seed}.jsonl"
+    packed = "-packed" if getattr(config, "pack", False) else ""
+    return (f"{Path(str(model_name)).name}-{task}-r{config.buffer}-n{config.max_new_tokens}{sampling}{packed}"
+            f"-s{config.seed}.jsonl")
 
 
 def repo_relative(path: Optional[str]) -> Optional[str]:
@@ -406,12 +437,17 @@ def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -
             "model": model_name, "task": task, "buffer": args.buffer,
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "seed": args.seed, "batch": args.batch, "thinking": thinking, "data": repo_relative(args.data),
-            "stats": stats, "policy_options": args.options}
+            "stats": stats, "policy_options": args.options, **({"pack": True} if getattr(args, "pack", False) else {})}
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
     """Generate and grade every pending (arm, run, problem); ``(resolved config, results file, this run's rows)``."""
     task = get_task(config.task)
+    if task.kind == "code":  # the programs run in a sandbox: refused before the model loads where it cannot
+        why = None if config.unsafe_code_grading else code_sandbox_unavailable()
+        if why:
+            raise ConfigError("task", f"{task.name} runs the generated programs; {why}")
+        task = replace(task, grade=partial(task.grade, unsafe=config.unsafe_code_grading))
     try:
         problems = load_problems(task, config.data, config.problems or task.problems)
     except TaskDataError as exc:

@@ -14,7 +14,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from randattn.analysis.files import DiskFull, NotOurs
+from randattn.analysis.rows import BadRow
+
 from .config import ConfigError, build, flag_of, parser_for
+from .results import RunInUse, release_folders
 
 __all__ = ["main", "draw", "SelectorFailed", "selector_failure"]
 
@@ -82,16 +86,56 @@ def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Opti
     exit status: 0, or the int ``body`` returned."""
     parser = parser_for(config_cls, (doc or config_cls.__doc__ or "").strip().splitlines()[0], defaults=defaults)
     config = build(config_cls, parser, vars(parser.parse_args(argv)))
+    problem = cache_problem(getattr(config, "model", "")) if hasattr(config, "model") else None
+    if problem:
+        parser.error(problem)
     try:
         status = body(config)  # a probe's run may return what it wrote; only an int is an exit status
     except ConfigError as exc:
         parser.error(str(exc))
+    except (NotOurs, RunInUse, BadRow) as exc:  # a summary or table not ours, a folder in use, a bad row read back
+        parser.error(f"--out: {exc}")
+    except DiskFull as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
     except (SelectorFailed, RuntimeError, ValueError, TypeError) as exc:
         # A selector that fails mid-run (NaN, inf, a raise, another device) is a --policy refusal like the ones
         # before the run; the rows already written stay for the rerun. Anything else keeps its traceback.
         _selector_refusal(parser, config, exc)
         raise
+    finally:
+        release_folders()  # the run is over: its results folders are free for the next one
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
+
+
+def cache_problem(model: Optional[str]) -> Optional[str]:
+    """Why the embedded model cannot be converted into its cache (``$RANDATTN_CACHE``, else ``$HOME/.cache``), named
+    after that variable rather than ``--model``; None when it can, or when ``model`` is not an embedded one."""
+    from randattn import models
+
+    name = models._EMBEDDED_ALIASES.get(model or models.DEFAULT_MODEL, model or models.DEFAULT_MODEL)
+    if name not in models._EMBEDDED:
+        return None
+    var = "RANDATTN_CACHE" if os.environ.get("RANDATTN_CACHE") else "HOME"
+    root = models._cache_root()
+    if (root / name / models._MARKER).is_file():
+        return None  # converted before: read only
+    fix = (f"set RANDATTN_CACHE to a folder you can write (the embedded model {name} is converted there once, "
+           "about 0.5 GB)")
+    for p in (root, *root.parents):
+        if p.exists() and not p.is_dir():
+            where = "" if p == root else f", so {root} cannot hold the converted model"
+            return f"{var}: {p} is a file, not a folder{where}; {fix}"
+        if p.is_dir():
+            try:
+                import tempfile
+
+                with tempfile.TemporaryFile(dir=p, prefix=".randattn-write-check-"):
+                    pass
+            except OSError as exc:
+                return f"{var}: cannot write in {p} ({exc.strerror or exc}); {fix}"
+            return None
+    return None
 
 
 def draw(figure: str, results: "str | Path", figure_dir: "str | Path | None", *extra: str) -> list[str]:

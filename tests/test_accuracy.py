@@ -232,13 +232,13 @@ def test_rows_count_only_the_rounds_that_ran_while_they_generated():
             return " ".join(map(str, ids))
 
     class Layer:
-        round_lengths = [20, 24, 28, 32]
+        round_lengths, held = [20, 24, 28, 32], None
 
     class Cache:
         layers, events = [Layer()], [4]
 
     rows = accuracy.rows_of([[5, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # EOS at position 18
-                             [5] * 18], prompt_len=16, cache=Cache(), tok=Tok(), stop={0})
+                             [5] * 18], prompt_lens=[16, 16], cache=Cache(), tok=Tok(), stop={0})
     # row 0's tokens end at position 18, so no round (the first at length 20) shaped it; row 1 ends at 33
     assert [(r["gen_len"], r["terminated"], r["events"]) for r in rows] == [(3, True, 0), (18, False, 4)]
 
@@ -470,3 +470,40 @@ def test_pooled_tasks_tag_each_source(monkeypatch):
     assert [p.id for p in aime] == ["2025/1", "2025/2", "2026/1", "2026/2"]
     assert [p.id for p in tasks.load_problems(tasks.get_task("hmmt"))][::2] == ["feb2025/1", "nov2025/1"]
     assert tasks.get_task("aime").paper_runs == 16 and tasks.get_task("livecodebench").paper_runs == 4
+
+
+def test_pack_batches_problems_of_any_length_sorted_and_rows_do_not_depend_on_the_batch(tiny_dir, tmp_path):
+    """--pack puts problems of different prompt lengths into one left-padded batch; each row draws by its own key
+    (problem, run), so the rows at --batch 3 equal those at --batch 1, Random included (timing fields aside)."""
+    from probes import accuracy
+
+    prompts = [[1] * 5, [1] * 3, [1] * 9, [1] * 4]
+    from probes.tasks import Problem
+
+    work = accuracy.pending_batches([accuracy.Arm("random", 64, True)], [Problem(str(i), "", "", "copy") for i in
+                                    range(4)], prompts, lambda arm: 1, set(), 3, pack=True)
+    assert [idx for _, _, idx in work] == [[1, 3, 0], [2]]  # sorted by length, lengths mixed in one batch
+    data = tmp_path / "math.jsonl"  # the embedded tasks' prompts all have one length; these differ
+    data.write_text("".join(json.dumps({"id": f"m{i}", "problem": q, "answer": a}) + "\n" for i, (q, a) in enumerate([
+        ("What is 2 + 3?", "5"), ("Compute 12 times 11, then subtract the square of 4 from it.", "116"),
+        ("What is 7 - 2?", "5"), ("A train leaves at noon at 60 km/h; how far has it gone by 3 pm?", "180")])))
+    flags = ["--problems", "4", "--runs", "2", "--policy", "full", "random", "recency", "--budget", "84", "--pack",
+             "--data", str(data)]
+    runs = {}
+    for batch in (1, 3):
+        folder = tmp_path / f"b{batch}"
+        code = accuracy.main(["--model", tiny_dir, "--task", "math500", "--out", str(folder / "acc"), "--buffer", "8",
+                              "--max-new-tokens", "64", *flags, "--batch", str(batch), "--no-figure"])
+        path = _written(folder / "acc")
+        assert code == 0 and path.name.endswith("-packed-s0.jsonl")
+        runs[batch] = {(r["problem"], r["run"], r["policy"]): r for r in _rows(path)}
+    assert runs[1].keys() == runs[3].keys() and len(runs[1]) == 4 * (1 + 2 + 1)
+    lengths = {r["prompt_len"] for r in runs[3].values()}
+    assert len(lengths) > 1  # the copy problems' prompts differ in length, so batch 3 was padded
+    assert any(r["events"] > 0 for r in runs[3].values() if r["policy"] == "random"), lengths
+    # the config names the batch, and cache_events counts the rounds of the batch (it runs until its last row ends)
+    drop = {"seconds", "versions", "revision", "date", "run_record", "config", "cache_events"}
+    for key, row in runs[1].items():
+        a = {k: v for k, v in row.items() if k not in drop}
+        b = {k: v for k, v in runs[3][key].items() if k not in drop}
+        assert a == b, key
