@@ -35,6 +35,10 @@ class Boom(randattn.Policy):
         raise RuntimeError('boom')
 def score(view):
     return torch.zeros(view.shape)
+def nan(view):
+    return torch.full(view.shape, float('nan'))
+def raises(view):
+    raise KeyError('no statistics for this head')
 """
 PLANTED = {  # files the user owns in the scratch folder (the working directory of every row)
     "notes.txt": b"my notes\n",
@@ -44,6 +48,7 @@ PLANTED = {  # files the user owns in the scratch folder (the working directory 
     "raise.py": b"raise ImportError('broken selector module')\n",
     "rows.jsonl": b'{"instance": 0, "condition": "a", "fact": 0, "lp": -1.0, "config": {"probe": "head_pooling"}}\n',
     "sub/thesis.tex": b"\\documentclass{article}\n",
+    "figs/head_pooling.png": b"\x89PNG my own plot, not randattn's\n",
 }
 
 PLANTED_ARGS = ["--model", "{TINY}", "--out", "{S}/out", "--budget", "64", "--buffer", "12", "--distance", "90",
@@ -88,6 +93,12 @@ CLI_ROWS = [
      "--policy: policy 'nosuchmod:score': cannot import 'nosuchmod'"),
     ("hp-selector-ctor-raises", "probes.head_pooling", ["--policy", "{S}/sel.py:Boom"], "Boom() raised RuntimeError"),
     ("hp-selector-sys-exit", "probes.head_pooling", ["--policy", "{S}/exit.py:score"], "called sys.exit()"),
+    ("hp-selector-nan-mid-run", "probes.head_pooling", ["--policy", "{S}/sel.py:nan"],
+     "--policy: policy '{S}/sel.py:nan' returned NaN scores at layer 0, round 0"),
+    ("hp-selector-raises-mid-run", "probes.head_pooling", ["--policy", "{S}/sel.py:raises"],
+     "--policy: policy '{S}/sel.py:raises' failed at layer 0, round 0: KeyError"),
+    ("passcode-selector-raises-mid-run", "probes.passcode", PASSCODE + ["--policies", "{S}/sel.py:raises"],
+     "--policies: policy '{S}/sel.py:raises' failed at layer 0, round 0"),
     ("hp-stats-missing", "probes.head_pooling", ["--policy", "triattention", "--stats", "{S}/nope.pt"],
      "--stats: TriAttention statistics"),
     ("hp-stats-garbage", "probes.head_pooling", ["--policy", "triattention", "--stats", "{S}/notes.txt"],
@@ -267,6 +278,10 @@ CLI_ROWS = [
      "--problems and --runs apply to --probe accuracy only"),
     ("figures-out-a-file", "figures.__main__", ["--probe", "passcode", "--out", "{S}/notes.txt"],
      "--out: {S}/notes.txt is a file, not a folder"),
+    ("figures-out-holds-a-users-figure", "figures.__main__", ["--probe", "passcode", "--probe", "head_pooling",
+                                                              "--out", "{S}/figs"],
+     "--out: {S}/figs/head_pooling.png was not written by randattn (it has no randattn mark in its metadata); "
+     "nothing was changed"),
     # -- bench.* -----------------------------------------------------------------------------------------------------
     *[(f"{b}-threads-negative", f"bench.{b}", BENCH + ["--threads", "-2"],
        "argument --threads: expected a positive integer, got -2")
@@ -489,6 +504,36 @@ def _used_cache():
     return model, cache
 
 
+def _fresh(policy="random"):
+    return randattn.EvictingCache(policy, budget=16, buffer=4)
+
+
+def _generate(policy="random", ids=None, **kwargs):
+    return randattn.generate(tiny_model("llama"), random_ids(1, 8) if ids is None else ids, _fresh(policy),
+                             max_new_tokens=24, do_sample=False, **kwargs)
+
+
+def float64_overflow(view):
+    return torch.full(view.shape, 1e300, dtype=torch.float64)
+
+
+def minus_inf_scores(view):
+    return torch.full(view.shape, float("-inf"))
+
+
+def meta_scores(view):
+    return torch.zeros(view.shape, device="meta")
+
+
+def writes_keys(view):
+    view.keys.zero_()
+    return torch.zeros(view.shape)
+
+
+def raises_in_score(view):
+    raise IndexError("head 9")
+
+
 API_ROWS = [
     ("budget-0", lambda: randattn.EvictingCache("random", budget=0), "budget must be a positive integer"),
     ("budget-bool", lambda: randattn.EvictingCache("random", budget=True), "budget must be a positive integer"),
@@ -517,6 +562,9 @@ API_ROWS = [
     ("force-evict-layer-out-of-range", lambda: _bound().force_evict([1], layers=[2]), "force_evict(layers=[2])"),
     ("pin-layers-bool", lambda: _bound().pin([1], layers=[True]), "layers must be non-negative integer indices"),
     ("pin-position-negative", lambda: _bound().pin([-1]), "positions must be absolute token positions >= 0"),
+    ("pin-position-fraction", lambda: _bound().pin([1.7]), "positions must be integer token positions, got 1.7"),
+    ("force-evict-position-bool", lambda: _bound().force_evict([2, True]), "integer token positions, got True"),
+    ("pin-position-float-tensor", lambda: _bound().pin(torch.tensor([2.5])), "got a torch.float32 tensor [2.5]"),
     ("load-model-missing-dir", lambda: randattn.load_model("/no/such/model", device="cpu"), "does not exist"),
     ("load-model-hub-offline", lambda: randattn.load_model("someone/no-such-model", device="cpu"), "hub"),
     ("resolve-device-gpu0", lambda: randattn.resolve_device("gpu0"), "is not a torch device"),
@@ -527,13 +575,58 @@ API_ROWS = [
     ("reused-cache-replay", lambda: (lambda m, c: randattn.replay(m, random_ids(1, 8), c, prompt_len=4))(*_used_cache()),
      "already holds a sequence"),
     ("round-seed-fraction", lambda: __import__("randattn.seeding").seeding.round_seed(0, 1.5, 0), "round_seed"),
+    ("generate-use-cache-false", lambda: _generate(use_cache=False), "randattn.generate: use_cache=False with an"),
+    ("plain-generate-use-cache-false", lambda: tiny_model("llama").generate(
+        random_ids(1, 8), past_key_values=_fresh(), max_new_tokens=2, use_cache=False), "model.generate: use_cache=False"),
+    ("forward-use-cache-false", lambda: tiny_model("llama")(random_ids(1, 8), past_key_values=_fresh(), use_cache=False),
+     "model(...): use_cache=False"),
+    ("generate-second-cache-keyword", lambda: _generate(past_key_values=_fresh()),
+     "randattn.generate: past_key_values= beside cache="),
+    ("generate-empty-prompt", lambda: _generate(ids=torch.zeros((1, 0), dtype=torch.long)),
+     "randattn.generate: input_ids must be [batch, tokens] with at least one row and one token, got shape (1, 0)"),
+    ("replay-empty-batch", lambda: randattn.replay(tiny_model("llama"), torch.zeros((0, 5), dtype=torch.long), _fresh(),
+                                                   prompt_len=1), "randattn.replay: input_ids must be [batch, tokens]"),
+    ("decode-step-empty-prompt", lambda: randattn.decode_step(tiny_model("llama"), torch.zeros((1, 0), dtype=torch.long),
+                                                              _fresh()), "randattn.decode_step: input_ids must be"),
+    ("score-float64-overflow", lambda: _generate(float64_overflow),
+     "policy 'float64_overflow' returned float64 scores at layer 0, round 0 that float32 cannot hold"),
+    ("score-minus-inf", lambda: _generate(minus_inf_scores), "policy 'minus_inf_scores' returned -inf scores at layer 0"),
+    ("score-on-meta-device", lambda: _generate(meta_scores),
+     "policy 'meta_scores' returned scores on device meta at layer 0, round 0"),
+    ("policy-writes-into-its-view", lambda: _generate(writes_keys),
+     "policy 'writes_keys' wrote into view.keys at layer 0, round 0; a policy must not modify the tensors it is shown"),
+    ("policy-raises", lambda: _generate(raises_in_score),
+     "policy 'raises_in_score' failed at layer 0, round 0: IndexError: head 9"),
+    # Padded batches (issue 27): each a refusal naming the argument before anything is generated.
+    ("mask-right-padded", lambda: _generate(ids=random_ids(2, 8), attention_mask=torch.tensor([[1] * 6 + [0] * 2, [1] * 8])),
+     "attention_mask: rows [0] are not left-padded"),
+    ("mask-all-padding-row", lambda: _generate(ids=random_ids(2, 8), attention_mask=torch.tensor([[0] * 8, [1] * 8])),
+     "attention_mask: rows [0] are all padding"),
+    ("mask-shape", lambda: _generate(ids=random_ids(2, 8), attention_mask=torch.ones(2, 7, dtype=torch.long)),
+     "attention_mask must match input_ids (2, 8)"),
+    ("mask-4d", lambda: randattn.decode_step(tiny_model("llama"), random_ids(1, 8), _fresh(),
+                                             attention_mask=torch.ones(1, 1, 8, 8)), "attention_mask of the prompt"),
+    ("mask-prompt-too-long-for-T", lambda: _generate(ids=random_ids(2, 14), attention_mask=torch.tensor(
+        [[1] * 14, [0] * 6 + [1] * 8])), "cannot hold the protected prompt of 14 tokens"),
+    ("row-keys-length", lambda: randattn.generate(tiny_model("llama"), random_ids(2, 8), randattn.EvictingCache(
+        "random", budget=16, buffer=4, row_keys=[1]), max_new_tokens=24), "row_keys has 1 keys but the batch has 2"),
+    ("row-key-float", lambda: randattn.EvictingCache("random", budget=16, buffer=4, row_keys=[1.5]),
+     "row_keys[0] must be a string"),
+    ("snapkv-score-dtype", lambda: randattn.make_policy("snapkv", score_dtype="bf16"), "score_dtype must be one of"),
+    ("rkv-score-dtype", lambda: randattn.make_policy("rkv", score_dtype=torch.bfloat16), "score_dtype must be one of"),
+    ("random-ppp-whole-prompt", lambda: randattn.make_policy("random-ppp", whole_prompt="no"),
+     "whole_prompt must be True"),
+    ("random-ppp-paper-mode-protected", lambda: randattn.EvictingCache("random_ppp", budget=32, buffer=8,
+                                                                         protect_prompt=True),
+     "runs with the prompt unprotected by definition"),
 ]
 
 
 @pytest.mark.parametrize("call, message", [r[1:] for r in API_ROWS], ids=[r[0] for r in API_ROWS])
 def test_a_bad_api_call_raises_a_value_error_naming_the_parameter(call, message, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises((ValueError, TypeError, FileNotFoundError, OSError)) as err:
+    # RuntimeError: a policy that fails or writes into its view, named with its layer and round
+    with pytest.raises((ValueError, TypeError, FileNotFoundError, OSError, RuntimeError)) as err:
         call()
     assert message in str(err.value)
 
@@ -569,3 +662,23 @@ def test_the_table_covers_every_command():
         "decode", "batch_scaling", "equal_memory", "memory", "replay_speed", "kvpress_peer", "round_cost",
         "grid_overhead")}
     assert len(CLI_ROWS) >= 180 and len(API_ROWS) >= 30
+
+
+# -- issue 29 item 6: --data errors name both sources and the right fields -----------------------------------
+@pytest.mark.parametrize("task, fields, source", [
+    ("livecodebench", "'question_content'", "livecodebench/code_generation_lite"),
+    ("gpqa_diamond", "'correct'", "Idavidrein/gpqa"),
+    ("math500", "'answer'", "HuggingFaceH4/MATH-500"),
+])
+def test_task_data_errors_name_both_sources_and_the_tasks_fields(task, fields, source, monkeypatch, tmp_path):
+    from probes import tasks
+
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # the HF route unavailable: its error offers --data
+    with pytest.raises(tasks.TaskDataError) as err:
+        tasks.load_problems(tasks.get_task(task))
+    assert "--data FILE.jsonl" in str(err.value) and fields in str(err.value) and source in str(err.value)
+    if task == "livecodebench":
+        assert "'incorrect'" not in str(err.value)  # not GPQA's fields
+    with pytest.raises(tasks.TaskDataError) as err:  # a missing --data file names the HF source too
+        tasks.load_problems(tasks.get_task(task), tmp_path / "missing.jsonl")
+    assert "no such file" in str(err.value) and source in str(err.value)
