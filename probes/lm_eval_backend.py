@@ -9,13 +9,15 @@ and hands over to lm-eval's CLI, the way lm-eval 0.4.13 runs a model defined out
 discovery). ``policy=full`` is full attention (HF's own cache, lm-eval's own code paths), the reference of
 "policy vs full attention".
 
-- ``generate_until``: lm-eval's generation, with a fresh :class:`randattn.EvictingCache` per batch; the prompt (the
-  whole context, few-shot examples included) is the protected prefix under ``protect_prompt=True``.
+- ``generate_until``: lm-eval's generation (``--batch_size N`` batches, left-padded), with a fresh
+  :class:`randattn.EvictingCache` per batch that learns each row's padding, so every row runs as its prompt alone;
+  the prompt (the whole context, few-shot examples included) is the protected prefix under ``protect_prompt=True``.
 - ``loglikelihood`` / ``loglikelihood_rolling``: teacher forcing with :class:`randattn.Replay`, the context as the
   (protected) prompt and the continuation scored token by token with eviction rounds exactly where decoding has
-  them, so a log-likelihood sees the cache generation would see.
-- Seeds: each request's draws come from ``seed`` and a hash of its own tokens, so a request draws the same keep-sets
-  whatever lm-eval's order, and two runs with the same ``seed`` agree.
+  them, so a log-likelihood sees the cache generation would see. One request per forward whatever the batch size
+  (replay runs one prompt length at a time).
+- Seeds: each request is a row key of its cache (a hash of its tokens), so its draws depend on ``seed`` and itself
+  only: the same keep-sets in any order and any batch, and two runs with the same ``seed`` agree.
 
 Per-sample outputs (``--log_samples``) feed ``python -m probes.compare_samples`` (the paired comparison).
 """
@@ -38,7 +40,7 @@ except ImportError as exc:  # the optional extra is missing: say how to get it
     raise ImportError(f"probes.lm_eval_backend needs lm-evaluation-harness 0.4.13 ({exc}); install it with "
                       "`pip install -e \".[lm-eval]\"` (or `pip install lm_eval==0.4.13`)") from exc
 
-__all__ = ["RandAttnLM", "ACCEPTED_ARGS", "FULL", "request_seed", "main"]
+__all__ = ["RandAttnLM", "ACCEPTED_ARGS", "FULL", "request_key", "main"]
 
 FULL = "full"
 #: The --model_args (and the settings lm-eval hands every model) randattn understands; anything else is refused.
@@ -49,10 +51,11 @@ DEFAULT_BUDGET, DEFAULT_BUFFER = 1024, 64  # the paper's T and r
 log = logging.getLogger(__name__)
 
 
-def request_seed(seed: int, tokens) -> int:
-    """The eviction seed of one request: ``seed`` mixed with its token ids (order- and batch-independent)."""
-    digest = hashlib.blake2b(f"{int(seed)}:{list(map(int, tokens))}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1  # 63 bits, inside the cache's seed range
+def request_key(tokens) -> int:
+    """The row key of one request (:class:`randattn.EvictingCache` ``row_keys``): a hash of its token ids, so its
+    draws depend on ``seed`` and itself only, not on lm-eval's order or the batch it lands in."""
+    digest = hashlib.blake2b(str(list(map(int, tokens))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 @register_model("randattn")
@@ -67,9 +70,10 @@ class RandAttnLM(HFLM):
         if unknown:
             raise TypeError(f"--model_args {', '.join(sorted(unknown))}: not a randattn model argument; the accepted "
                             f"ones are {', '.join(ACCEPTED_ARGS)} (lm-eval's other HF options are not passed through)")
-        if str(batch_size) != "1":
-            raise ValueError(f"batch_size={batch_size!r}: the randattn model runs one request at a time (batch_size=1; "
-                             "EvictingCache does not serve padded batches yet); pass --batch_size 1 or leave it out")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: the randattn model takes a fixed batch size, a positive "
+                             "integer (lm-eval's 'auto' sizes batches with full-attention forwards, which say nothing "
+                             "of an evicting cache); pass e.g. --batch_size 8")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ValueError(f"--model_args seed={seed!r}: must be an integer in [0, 2**64), e.g. seed=0")
         self.policy_name = str(policy)
@@ -85,9 +89,10 @@ class RandAttnLM(HFLM):
             else getattr(model, "name_or_path", type(model).__name__)
         # lm-eval warns that a model object bypasses its loading options: randattn loaded it, with those options.
         hf_log = logging.getLogger("lm_eval.models.huggingface")
-        level, hf_log.level = hf_log.level, logging.ERROR
+        level = hf_log.level
+        hf_log.setLevel(logging.ERROR)
         try:
-            super().__init__(pretrained=model, tokenizer=tok, batch_size=1, max_length=max_length)
+            super().__init__(pretrained=model, tokenizer=tok, batch_size=batch_size, max_length=max_length)
         finally:
             hf_log.setLevel(level)
         self.requests_seen = 0
@@ -107,19 +112,20 @@ class RandAttnLM(HFLM):
         return pretrained.eval(), tokenizer
 
     # -- caches ------------------------------------------------------------------------------------
-    def _cache_for(self, tokens) -> randattn.EvictingCache:
-        """A fresh cache for one request (``tokens``: its ids, which fix its seed)."""
+    def _cache_for(self, keys: list) -> randattn.EvictingCache:
+        """A fresh cache for one batch, one row key per request (:func:`request_key`)."""
         s = self.settings
         try:
             return randattn.EvictingCache(s["policy"], budget=s["budget"], buffer=s["buffer"], recent=s["recent"],
-                                          protect_prompt=s["protect_prompt"], seed=request_seed(s["seed"], tokens))
+                                          protect_prompt=s["protect_prompt"], seed=s["seed"], row_keys=keys)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"--model_args policy={s['policy']},budget={s['budget']},buffer={s['buffer']}: {exc}") \
                 from None
 
-    def _count(self, cache: randattn.EvictingCache) -> None:
-        self.requests_seen += 1
-        self.requests_evicted += bool(cache.layers) and sum(cache.events) > 0
+    def _count(self, cache: randattn.EvictingCache, rows: int = 1) -> None:
+        """Requests run, and those whose cache ran at least one round (a batch counts whole: its rounds are shared)."""
+        self.requests_seen += rows
+        self.requests_evicted += rows if cache.layers and sum(cache.events) > 0 else 0
 
     def _check_fits(self, cache: randattn.EvictingCache, prompt_len: int, what: str) -> None:
         if cache.protect_prompt and prompt_len + 1 + cache.recent > cache.budget:
@@ -132,16 +138,18 @@ class RandAttnLM(HFLM):
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.policy_name == FULL:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        if context.shape[0] != 1:  # lm-eval batches by batch_size, which __init__ holds at 1
-            raise ValueError(f"the randattn model generates one request at a time, got a batch of {context.shape[0]}")
-        cache = self._cache_for(context[0].tolist())
-        self._check_fits(cache, context.shape[1], "prompt")
+        # lm-eval pads a batch on the left; the cache learns each row's padding from the attention mask
+        mask = generation_kwargs.get("attention_mask")
+        rows = [ids[m.bool()] if m is not None else ids for ids, m in
+                zip(context, mask if mask is not None else [None] * len(context))]
+        cache = self._cache_for([request_key(r.tolist()) for r in rows])
+        self._check_fits(cache, max(len(r) for r in rows), "prompt")
         # lm-eval's generate (stop sequences, sampling settings) with the cache; the model's guards refuse a used one
         generation_kwargs[randattn.cache_argument_name(self.model)] = cache
         try:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         finally:
-            self._count(cache)
+            self._count(cache, len(rows))
 
     # -- loglikelihood -----------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: Optional[int] = None):
@@ -167,7 +175,7 @@ class RandAttnLM(HFLM):
         if prompt_len < 1:
             raise ValueError(f"a {n}-token continuation leaves no context within max_length={self.max_length}; "
                              "raise --model_args max_length")
-        cache = self._cache_for(ids)
+        cache = self._cache_for([request_key(ids)])
         self._check_fits(cache, prompt_len, "context")
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Feed all but the last token: the logits after it predict the last one (no forward past the sequence).

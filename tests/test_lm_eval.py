@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed (pip i
 import randattn  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from probes import compare_samples  # noqa: E402
-from probes.lm_eval_backend import ACCEPTED_ARGS, RandAttnLM, request_seed  # noqa: E402
+from probes.lm_eval_backend import ACCEPTED_ARGS, RandAttnLM, request_key  # noqa: E402
 from randattn.stats import paired_comparison  # noqa: E402
 from randattn.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -54,13 +54,14 @@ def test_without_eviction_loglikelihood_is_lm_evals_own(tiny):
 
 def test_loglikelihood_under_eviction_is_token_by_token_decoding(tiny):
     """Each request scores its continuation as decoding would see it: randattn.replay_tokenwise with the request's
-    own seed, the context as the prompt; and eviction changed the numbers."""
+    own row key, the context as the prompt; and eviction changed the numbers."""
     model, _ = tiny
     lm = _lm(tiny, budget=12, buffer=4, protect_prompt=False, seed=3)
     got, full = _ll(lm, PAIRS), _ll(_lm(tiny, "full"), PAIRS)
     for (ctx, cont), (lp, greedy) in zip(PAIRS, got):
         c, x = lm._encode_pair(ctx, cont)
-        cache = randattn.EvictingCache("random", budget=12, buffer=4, protect_prompt=False, seed=request_seed(3, c + x))
+        cache = randattn.EvictingCache("random", budget=12, buffer=4, protect_prompt=False, seed=3,
+                                       row_keys=[request_key(c + x)])
         ref = randattn.replay_tokenwise(model, torch.tensor([c + x]), cache, prompt_len=len(c))
         assert lp == pytest.approx(float(ref.logprobs[0, len(c):].sum()), abs=1e-4)
         assert greedy == bool((ref.argmax[0, len(c):] == torch.tensor(x)).all())
@@ -95,11 +96,24 @@ def test_generate_until_is_randattn_generate(tiny):
     got = lm.generate_until(reqs, disable_tqdm=True)
     for ctx, text in zip(CONTEXTS, got):
         ids = torch.tensor([lm.tok_encode(ctx)])
-        cache = randattn.EvictingCache("random", budget=16, buffer=4, protect_prompt=False,
-                                       seed=request_seed(0, ids[0].tolist()))
+        cache = randattn.EvictingCache("random", budget=16, buffer=4, protect_prompt=False, seed=0,
+                                       row_keys=[request_key(ids[0].tolist())])
         out = randattn.generate(model, ids, cache, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
         assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert lm.requests_evicted == len(CONTEXTS) and got != full
+
+
+@pytest.mark.parametrize("policy,protect", [("recency", False), ("random", False), ("random", True)])
+def test_a_padded_batch_generates_what_one_request_at_a_time_does(tiny, policy, protect):
+    """--batch_size 2: lm-eval left-pads prompts of 30, 24 and 36 tokens; every row gets its batch-1 output (row keys
+    make Random's draws independent of the batch too), with rounds firing."""
+    kwargs = {"until": ["never-appears"], "max_gen_toks": 24, "do_sample": False}
+    reqs = [Instance("generate_until", {}, (c, dict(kwargs)), i) for i, c in enumerate(CONTEXTS)]
+    settings = dict(budget=48 if protect else 16, buffer=4, protect_prompt=protect)
+    one = _lm(tiny, policy, **settings).generate_until(reqs, disable_tqdm=True)
+    two = _lm(tiny, policy, batch_size=2, **settings)
+    assert two.generate_until(reqs, disable_tqdm=True) == one
+    assert two.requests_seen == len(CONTEXTS) and two.requests_evicted > 0
 
 
 # -- refusals ---------------------------------------------------------------------------------------------
@@ -108,11 +122,14 @@ def test_unknown_model_args_are_refused_by_name_with_the_accepted_list():
         RandAttnLM.create_from_arg_string("pretrained=/no/such/dir,policy=random,budegt=512,peft=x")
     msg = str(err.value)
     assert "budegt, peft" in msg and "accepted ones are " + ", ".join(ACCEPTED_ARGS) in msg
+    with pytest.raises(TypeError, match="--model_args parallelize: not a randattn model argument"):  # the CLI's way
+        RandAttnLM.create_from_arg_obj({"pretrained": "/no/such/dir", "parallelize": True},
+                                       {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"})
 
 
 @pytest.mark.parametrize("args,needle", [
-    ("batch_size=2", "batch_size=2"),
     ("batch_size=auto", "batch_size='auto'"),
+    ("batch_size=0", "batch_size=0"),
     ("policy=nope", "policy=nope"),
     ("budget=64,buffer=64", "budget"),
     ("seed=-1", "seed=-1"),
@@ -188,6 +205,14 @@ def test_compare_refuses_what_cannot_be_paired(tmp_path, capsys, case, needle):
 
 
 # -- end to end, offline, on the embedded model --------------------------------------------------------------
+def test_the_copy_data_are_the_copy_tasks_problems():
+    from probes.tasks import copy_problem
+
+    rows = [json.loads(line) for line in (TASKS / "copy.jsonl").read_text().splitlines()]
+    want = [copy_problem(i, 4) for i in range(len(rows))]
+    assert [(r["id"], r["question"], r["answer"]) for r in rows] == [(p.id, p.prompt, p.answer) for p in want]
+
+
 def _one(folder: Path, task: str) -> Path:
     (path,) = folder.rglob(f"samples_{task}_*.jsonl")
     return path
