@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from probes.results import ResultsFile, RunInUse, hold_folder, release_folders
+from probes.results import ResultsFile, RunInUse, release_folders
 from randattn.analysis.files import NotOurs, SLOW_ENV, check_ours, why_not_ours, write_text
 
 REPO = Path(__file__).resolve().parents[1]
