@@ -210,7 +210,7 @@ CLI_ROWS = [
     ("challenge-random-as-selector", "probes.challenge", CHALLENGE + ["--policy", "random"],
      "--policy: random is the reference"),
     ("challenge-selector-missing-callable", "probes.challenge", CHALLENGE + ["--policy", "{S}/sel.py:nothere"],
-     "has no 'nothere'; callables there: Boom, score"),
+     "has no 'nothere'; callables there: Boom, nan, raises, score"),
     ("challenge-selector-ctor-raises", "probes.challenge", CHALLENGE + ["--policy", "{S}/sel.py:Boom"],
      "Boom() raised RuntimeError: boom"),
     ("challenge-selector-sys-exit", "probes.challenge", CHALLENGE + ["--policy", "{S}/exit.py:score"],
