@@ -378,6 +378,21 @@ def grid_overhead() -> list[str]:
                      "same rows as the first arm"], body) + ["", bench_footer(rel, "python -m bench.grid_overhead")]
 
 
+def bench_pack() -> list[str]:
+    rel = "bench/pack.json"
+    data = read_json(rel)
+    m = data["meta"]
+    body = [[r["arm"], f"`{r['flags']}`", f"{r['wall_s']:.0f} s", f"{r['problems_per_hour']:.0f}",
+             f"{r['x_one_at_a_time']:.2f}×"] for r in data["rows"]]
+    command = (f"python -m bench.pack --problems {m['problems']} --batch {m['batch']} --policies "
+               f"{' '.join(m['policies'])} --budget {m['budget']} --buffer {m['buffer']} --max-new-tokens "
+               f"{m['max_new_tokens']} --threads {m['torch_threads']}")
+    lengths = data["rows"][0]["prompt_lengths"]
+    return markdown(["arm", "flags", "wall", "problems/h", "× one at a time"], body) + [
+        "", f"Prompts {lengths[0]}–{lengths[1]} tokens ({lengths[2]} lengths); packed rows equal to the "
+            f"one-at-a-time rows: {m['rows_equal']} of {m['rows_compared']}.", "", bench_footer(rel, command)]
+
+
 def bench_equal_memory() -> list[str]:
     rel = "bench/equal_memory.json"
     rows = read_json(rel)["rows"]
@@ -468,6 +483,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
+    "bench_pack": bench_pack,
 }
 
 

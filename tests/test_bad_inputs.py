@@ -317,6 +317,8 @@ CLI_ROWS = [
      "--policies: unknown ['nope']"),
     ("round-cost-out-a-folder", "bench.round_cost", ["--out", "{S}"], "argument --out: {S} is a folder"),
     ("round-cost-out-not-ours", "bench.round_cost", ["--out", "{S}/notes.txt"], "is not a result file randattn wrote"),
+    ("pack-problems-0", "bench.pack", ["--problems", "0", "--out", "{S}/pk.json"], "--problems: must be a positive"),
+    ("pack-out-not-ours", "bench.pack", ["--out", "{S}/notes.txt"], "notes.txt"),
     ("grid-overhead-spec-missing", "bench.grid_overhead", ["--spec", "{S}/none.toml", "--out", "{S}/go.json"],
      "--spec: {S}/none.toml is not a file"),
     ("grid-overhead-arm-unknown", "bench.grid_overhead", ["--arms", "slurm", "--out", "{S}/go.json"],
@@ -660,7 +662,7 @@ def test_the_table_covers_every_command():
     assert {"figures.__main__", "randattn.calibrate", "randattn.cli"} <= modules
     assert {m for m in modules if m.startswith("bench.")} == {f"bench.{b}" for b in (
         "decode", "batch_scaling", "equal_memory", "memory", "replay_speed", "kvpress_peer", "round_cost",
-        "grid_overhead")}
+        "grid_overhead", "pack")}
     assert len(CLI_ROWS) >= 180 and len(API_ROWS) >= 30
 
 
