@@ -48,6 +48,7 @@ import randattn
 from randattn.analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
                                        warn_uncompressed)
 from randattn.analysis.files import write_text
+from randattn.spec import min_budget, prompt_fits_problem
 from randattn.stats import comparison_table
 
 from . import cli
@@ -183,14 +184,21 @@ def policy_options(specs, task_defaults: dict) -> dict:
 
 
 # -- generation -------------------------------------------------------------------------------------
-def make_cache(arm: Arm, *, prompt_len: int, max_new_tokens: int, buffer: int, seed: int, stats,
-               options: dict) -> randattn.EvictingCache:
-    """The cache for one batch: full attention is a cache too big ever to evict."""
+def arm_spec(arm: Arm, *, buffer: int, seed: int, stats, options: dict) -> randattn.EvictionSpec:
+    """The eviction setting of one arm (``options``: ``{policy: {option: value}}``; ``stats`` goes to a policy that
+    reads calibration data)."""
     if arm.policy == FULL:
-        return randattn.EvictingCache("random", budget=prompt_len + max_new_tokens + 1, buffer=1, protect_prompt=False)
-    options = {**calibration_options(arm.policy, stats), **options.get(arm.policy, {})}
-    return randattn.EvictingCache(arm.policy, budget=arm.budget, buffer=buffer, protect_prompt=arm.protect, seed=seed,
-                                  **options)
+        return randattn.EvictionSpec.full()
+    return randattn.EvictionSpec(arm.policy, arm.budget, buffer, protect_prompt=arm.protect, seed=seed,
+                                 options=options.get(arm.policy, {}), stats=stats)
+
+
+def make_cache(arm: Arm, *, prompt_len: int, max_new_tokens: int, buffer: int, seed: int, stats,
+               options: dict, row_keys: Optional[list] = None) -> randattn.EvictingCache:
+    """The cache for one batch (full attention: a cache too big ever to evict, which draws nothing, so it takes no
+    row keys)."""
+    spec = arm_spec(arm, buffer=buffer, seed=seed, stats=stats, options=options)
+    return spec.make_cache(max_tokens=prompt_len + max_new_tokens, row_keys=None if spec.is_full else row_keys)
 
 
 def eos_ids(model, tok) -> set[int]:
@@ -225,9 +233,7 @@ def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int,
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     cache = make_cache(arm, prompt_len=width, max_new_tokens=args.max_new_tokens, buffer=args.buffer, seed=seed,
-                       stats=stats, options=args.options)
-    if row_keys is not None and arm.policy != FULL:
-        cache.set_row_keys(row_keys)
+                       stats=stats, options=args.options, row_keys=row_keys)
     stop = eos_ids(model, tok)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 \
         else {"do_sample": False}
@@ -409,9 +415,9 @@ def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
             raise ConfigError(name, f"{what} must exceed the recent window r={buffer} (the newest r pairs are kept "
                                     f"untouched and T - r selected); use T > {buffer}, a smaller compression, or a "
                                     "smaller --buffer")
-        if arm.protect and arm.budget < longest + 1 + buffer:
+        if prompt_fits_problem(longest, budget=arm.budget, recent=buffer, protect=arm.protect):
             raise ConfigError(name, f"{what} cannot hold the protected {longest}-token prompt plus one slot beside the "
-                                    f"recent window of r={buffer}; use T >= {longest + 1 + buffer}, a smaller "
+                                    f"recent window of r={buffer}; use T >= {min_budget(longest, buffer)}, a smaller "
                                     "compression, or --no-protect-prompt")
 
 

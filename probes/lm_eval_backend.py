@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 import randattn
+from randattn.spec import min_budget
 
 try:
     from lm_eval.api.registry import register_model
@@ -82,8 +83,8 @@ class RandAttnLM(HFLM):
             log.warning("policy=full is full attention (no eviction): %s ignored", ", ".join(given))
         self.settings = {"policy": self.policy_name, "seed": seed, **({} if self.policy_name == FULL else {
             "budget": DEFAULT_BUDGET, "buffer": DEFAULT_BUFFER, "recent": None, "protect_prompt": None, **given})}
-        if self.policy_name != FULL:
-            self._cache_for([0])  # a bad policy, budget or seed is refused before the model loads
+        # A bad policy, budget or seed is refused here, before the model loads.
+        self.eviction_spec = randattn.EvictionSpec.full() if self.policy_name == FULL else self._spec_of(self.settings)
         model, tok = self._load(pretrained, tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         self.pretrained_name = (pretrained or randattn.DEFAULT_MODEL) if isinstance(pretrained, (str, type(None))) \
             else getattr(model, "name_or_path", type(model).__name__)
@@ -112,27 +113,31 @@ class RandAttnLM(HFLM):
         return pretrained.eval(), tokenizer
 
     # -- caches ------------------------------------------------------------------------------------
-    def _cache_for(self, keys: list) -> randattn.EvictingCache:
-        """A fresh cache for one batch, one row key per request (:func:`request_key`)."""
-        s = self.settings
+    @staticmethod
+    def _spec_of(s: dict) -> randattn.EvictionSpec:
         try:
-            return randattn.EvictingCache(s["policy"], budget=s["budget"], buffer=s["buffer"], recent=s["recent"],
-                                          protect_prompt=s["protect_prompt"], seed=s["seed"], row_keys=keys)
+            return randattn.EvictionSpec(s["policy"], s["budget"], s["buffer"], recent=s["recent"],
+                                         protect_prompt=s["protect_prompt"], seed=s["seed"])
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"--model_args policy={s['policy']},budget={s['budget']},buffer={s['buffer']}: {exc}") \
                 from None
+
+    def _cache_for(self, keys: list) -> randattn.EvictingCache:
+        """A fresh cache for one batch, one row key per request (:func:`request_key`)."""
+        return self.eviction_spec.make_cache(row_keys=keys)
 
     def _count(self, cache: randattn.EvictingCache, rows: int = 1) -> None:
         """Requests run, and those whose cache ran at least one round (a batch counts whole: its rounds are shared)."""
         self.requests_seen += rows
         self.requests_evicted += rows if cache.layers and sum(cache.events) > 0 else 0
 
-    def _check_fits(self, cache: randattn.EvictingCache, prompt_len: int, what: str) -> None:
-        if cache.protect_prompt and prompt_len + 1 + cache.recent > cache.budget:
+    def _check_fits(self, prompt_len: int, what: str) -> None:
+        if self.eviction_spec.validate(prompt_len):
+            s = self.eviction_spec
             raise ValueError(
-                f"budget={cache.budget} cannot hold the protected {prompt_len}-token {what} plus one slot beside the "
-                f"recent window of {cache.recent}: use budget >= {prompt_len + 1 + cache.recent}, protect_prompt=False, "
-                f"or fewer few-shot examples (--num_fewshot)")
+                f"budget={s.budget} cannot hold the protected {prompt_len}-token {what} plus one slot beside the "
+                f"recent window of {s.recent_window}: use budget >= {min_budget(prompt_len, s.recent_window)}, "
+                f"protect_prompt=False, or fewer few-shot examples (--num_fewshot)")
 
     # -- generate_until ----------------------------------------------------------------------------
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
@@ -143,7 +148,7 @@ class RandAttnLM(HFLM):
         rows = [ids[m.bool()] if m is not None else ids for ids, m in
                 zip(context, mask if mask is not None else [None] * len(context))]
         cache = self._cache_for([request_key(r.tolist()) for r in rows])
-        self._check_fits(cache, max(len(r) for r in rows), "prompt")
+        self._check_fits(max(len(r) for r in rows), "prompt")
         # lm-eval's generate (stop sequences, sampling settings) with the cache; the model's guards refuse a used one
         generation_kwargs[randattn.cache_argument_name(self.model)] = cache
         try:
@@ -176,7 +181,7 @@ class RandAttnLM(HFLM):
             raise ValueError(f"a {n}-token continuation leaves no context within max_length={self.max_length}; "
                              "raise --model_args max_length")
         cache = self._cache_for([request_key(ids)])
-        self._check_fits(cache, prompt_len, "context")
+        self._check_fits(prompt_len, "context")
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         # Feed all but the last token: the logits after it predict the last one (no forward past the sequence).
         # score_from skips the LM head over the context, whose own log-probs are not asked for.

@@ -2,12 +2,15 @@
 
 Core objects:
     EvictingCache   the (K, r) per-head evicting cache; drop it into ``model.generate``.
+    EvictionSpec    one eviction setting, checked once; ``make_cache()`` builds its caches.
+    attach          ``with randattn.attach(model):`` the guards for one block (``install_guards``: for good).
     load_model      the embedded SmolLM2-135M-Instruct by default, or any HF causal LM.
     replay          teacher-forced replay with eviction rounds where decoding has them.
     policies        score functions; ``register_policy`` adds your own.
 """
 
 from .cache import ENGINE, EvictingCache, EvictingLayer, round_seed
+from .spec import EvictionSpec
 from .decoding import Replay, ReplayResult, decode_step, generate, replay, replay_tokenwise
 from .keeplog import KeepLog
 from .models import (
@@ -30,6 +33,7 @@ from .policies import (
     register_policy,
     score_function,
 )
+from .attach import attach
 from . import selectors  # noqa: F401  (registers h2o, snapkv, snapkv-longbench, rkv, rkv-official, vase)
 from . import triattention  # noqa: F401  (registers triattention)
 from .triattention import TriAttentionStats, check_stats, load_stats
@@ -40,6 +44,7 @@ __all__ = [
     "ENGINE",
     "EvictingCache",
     "EvictingLayer",
+    "EvictionSpec",
     "KeepLog",
     "CacheView",
     "Policy",
@@ -55,6 +60,7 @@ __all__ = [
     "resolve_device",
     "check_model",
     "install_guards",
+    "attach",
     "cache_argument_name",
     "UnsupportedModelError",
     "generate",

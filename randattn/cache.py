@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ._memory import release_free_memory
 from .keeplog import KeepLog
-from .policies import CacheView, Policy, make_policy_and_mode, paper_mode_twin
+from .policies import CacheView, Policy, make_policy_and_mode
+from .spec import check_scope, check_sizes, prompt_fits_problem, resolve_protection, resolve_recent
 
 __all__ = ["EvictingCache", "EvictingLayer", "round_seed", "select_keep", "ENGINE"]
 
@@ -398,38 +399,20 @@ class EvictingCache(Cache):
         row_keys: Optional[Iterable] = None,
         **policy_kwargs,
     ):
-        for name, val in (("budget", budget), ("buffer", buffer)):
-            if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val <= 0:
-                raise ValueError(f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
-                                 f"got {val!r}")
+        check_sizes(budget, buffer)
         super().__init__(layers=[])
         # The policy first: a wrong name or option is the error a user wants to see before any budget arithmetic.
         self.policy, native = make_policy_and_mode(policy, **policy_kwargs)
-        if recent is None:
-            if buffer >= budget:
-                raise ValueError(
-                    f"budget T={budget} must exceed the recent window, which is the buffer r={buffer} by default (the "
-                    f"newest r pairs are kept untouched, as in the paper's engine, where T - r of the older ones are "
-                    f"selected); use budget > {buffer}, a smaller buffer, or recent=0 to let all T + r pairs compete")
-            recent = buffer
-        if isinstance(recent, bool) or not isinstance(recent, (int, np.integer)) or not 0 <= recent < budget:
-            raise ValueError(f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
-                             f"competition; default buffer={buffer}), got {recent!r} with budget={budget}")
+        recent = resolve_recent(budget, buffer, recent)
         if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer))
                                        or prompt_len < 0):
             raise ValueError(f"prompt_len must be a non-negative integer or None, got {prompt_len!r}")
         seed = _check_seed(seed)
-        if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
-            name = policy if isinstance(policy, str) else self.policy.name
-            raise ValueError(
-                f"policy {name!r} runs with the prompt {'protected' if native else 'unprotected'} by definition (a "
-                f"paper mode names its protection), but protect_prompt={protect_prompt!r}; drop protect_prompt, or "
-                f"use the other mode's name ({paper_mode_twin(name) or 'the plain policy name'})")
+        protect = resolve_protection(policy, self.policy, native, protect_prompt)
         self.budget = int(budget)
         self.buffer = int(buffer)
         self.recent = int(recent)
-        self.protect_prompt = bool(native if protect_prompt is None and native is not None
-                                   else True if protect_prompt is None else protect_prompt)
+        self.protect_prompt = protect
         self._init_prompt_len: Optional[int] = None if prompt_len is None else int(prompt_len)
         self.prompt_len: Optional[int] = self._init_prompt_len
         self.seed = int(seed)
@@ -449,9 +432,7 @@ class EvictingCache(Cache):
         # A query window of None means "the queries since the last round" (the paper's buffer of r).
         window = getattr(self.policy, "window", 0)
         self.query_window = self.buffer if window is None else max(int(window or 0), 1)
-        if getattr(self.policy, "scope", "layer") == "model" and self.recent < 1:
-            raise ValueError(f"policy {self.policy.name!r} scores every layer's candidates at once, which needs "
-                             "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
+        check_scope(self.policy, self.recent)
         if self.prompt_len is not None:
             self._check_prompt_fits(self.prompt_len)
         # Padded batches: each row's left padding (None: unpadded), learnt from the prompt's attention mask.
@@ -837,14 +818,9 @@ class EvictingCache(Cache):
 
     # -- the round -------------------------------------------------------------------------------
     def _check_prompt_fits(self, prompt_len: int) -> None:
-        # The paper's engine silently protects only the first T - r - 1 prompt tokens of a longer prompt
-        # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is refused here instead.
-        if self.protect_prompt and prompt_len + 1 > self.budget - self.recent:
-            raise ValueError(
-                f"budget T={self.budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
-                f"beside the recent window of {self.recent}; use budget >= {prompt_len + 1 + self.recent} or "
-                f"protect_prompt=False"
-            )
+        problem = prompt_fits_problem(prompt_len, budget=self.budget, recent=self.recent, protect=self.protect_prompt)
+        if problem:
+            raise ValueError(problem)
 
     def _rule_masks(self, layer_idx: int, positions: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         pinned = evicted = None

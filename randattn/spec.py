@@ -1,0 +1,227 @@
+"""One eviction setting as one object: :class:`EvictionSpec`, and the one rule for "does the prompt fit".
+
+A spec holds what a cache is built from (policy, ``T``, ``r``, recent window, prompt protection, seed, policy
+options, calibration statistics), checks it once when it is made, with the messages :class:`EvictingCache` gives,
+and builds caches with :meth:`EvictionSpec.make_cache`. ``EvictionSpec.full()`` is full attention: no eviction.
+
+The field checks below are shared with :class:`~randattn.cache.EvictingCache`, so both refuse the same settings
+with the same words.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from .policies import Policy, make_policy_and_mode, paper_mode_twin
+from .seeding import _check_seed
+
+__all__ = ["EvictionSpec", "FULL", "prompt_fits_problem", "min_budget"]
+
+#: The policy name meaning "no eviction" (full attention).
+FULL = "full"
+
+
+def _is_int(val) -> bool:
+    return not isinstance(val, bool) and isinstance(val, (int, np.integer))
+
+
+# -- the field checks (EvictingCache calls these too) --------------------------------------------------------------
+def check_sizes(budget, buffer) -> None:
+    for name, val in (("budget", budget), ("buffer", buffer)):
+        if not _is_int(val) or val <= 0:
+            raise ValueError(f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
+                             f"got {val!r}")
+
+
+def resolve_recent(budget: int, buffer: int, recent) -> int:
+    """The recent window: ``recent``, or the buffer ``r`` by default (the paper's engine)."""
+    if recent is None:
+        if buffer >= budget:
+            raise ValueError(
+                f"budget T={budget} must exceed the recent window, which is the buffer r={buffer} by default (the "
+                f"newest r pairs are kept untouched, as in the paper's engine, where T - r of the older ones are "
+                f"selected); use budget > {buffer}, a smaller buffer, or recent=0 to let all T + r pairs compete")
+        recent = buffer
+    if not _is_int(recent) or not 0 <= recent < budget:
+        raise ValueError(f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
+                         f"competition; default buffer={buffer}), got {recent!r} with budget={budget}")
+    return int(recent)
+
+
+def resolve_protection(policy, resolved: Policy, native: Optional[bool], protect_prompt) -> bool:
+    """Whether the prompt is pinned: the mode a paper alias or policy is defined with, else ``protect_prompt``
+    (default True); a ``protect_prompt`` contradicting a policy's own mode is refused."""
+    if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
+        name = policy if isinstance(policy, str) else resolved.name
+        raise ValueError(
+            f"policy {name!r} runs with the prompt {'protected' if native else 'unprotected'} by definition (a "
+            f"paper mode names its protection), but protect_prompt={protect_prompt!r}; drop protect_prompt, or "
+            f"use the other mode's name ({paper_mode_twin(name) or 'the plain policy name'})")
+    if protect_prompt is None:
+        return True if native is None else bool(native)
+    return bool(protect_prompt)
+
+
+def check_scope(resolved: Policy, recent: int) -> None:
+    if getattr(resolved, "scope", "layer") == "model" and recent < 1:
+        raise ValueError(f"policy {resolved.name!r} scores every layer's candidates at once, which needs "
+                         "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
+
+
+# -- the prompt-fits rule ------------------------------------------------------------------------------------------
+def min_budget(prompt_len: int, recent: int) -> int:
+    """The smallest ``T`` that holds a protected ``prompt_len``-token prompt: the prompt, one free slot to select
+    into (a round with no free slot would keep the same pairs forever), and the recent window."""
+    return prompt_len + 1 + recent
+
+
+def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: bool) -> Optional[str]:
+    """The one prompt-fits rule: ``None`` when a ``prompt_len``-token prompt fits, else the problem, naming the
+    fields that fix it (``budget``, ``protect_prompt``). An unprotected prompt always fits (it competes)."""
+    # The paper's engine silently protects only the first T - r - 1 prompt tokens of a longer prompt
+    # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is a problem here instead.
+    need = min_budget(prompt_len, recent)
+    if protect and need > budget:
+        return (f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
+                f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False")
+    return None
+
+
+# -- the spec ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvictionSpec:
+    """One eviction setting, checked when made; :meth:`make_cache` builds its caches.
+
+    Args:
+        policy: a policy name, paper mode name, ``"MODULE:CALLABLE"``, :class:`Policy` or score function, as
+            :class:`EvictingCache` takes; or ``"full"`` (see :meth:`full`): no eviction.
+        budget: ``T``; buffer: ``r``; recent: the recent window (default ``r``); protect_prompt: default the mode
+            the policy or paper alias names, else True; seed: the draws' seed (as :class:`EvictingCache`).
+        options: the policy's constructor options (e.g. ``{"n_sink": 4}``).
+        stats: a run's calibration statistics (a file, a shipped name, or the data): handed to the policy's
+            calibration option (``Policy.calibration``, TriAttention's ``stats``) when it has one, unused by a
+            policy without one (a run passes one file to all its policies). An explicit option of the same name in
+            ``options`` wins.
+
+    The policy is resolved once, here, for its declared needs (:attr:`policy_object`); each cache still builds its
+    own instance from ``policy``, since a policy may keep state per model (TriAttention binds statistics) or per
+    layer. Not hashable (``options`` is a mapping).
+    """
+
+    policy: "str | Policy | Callable" = "random"
+    budget: Optional[int] = None
+    buffer: int = 64
+    recent: Optional[int] = None
+    protect_prompt: Optional[bool] = None
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+    stats: Any = None
+    _policy: Optional[Policy] = field(default=None, init=False, repr=False, compare=False)
+    _recent: int = field(default=0, init=False, repr=False, compare=False)
+    _protect: bool = field(default=False, init=False, repr=False, compare=False)
+    _options: Mapping[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @classmethod
+    def full(cls) -> "EvictionSpec":
+        """Full attention: a cache that never evicts (what a probe's ``full`` arm runs)."""
+        return cls(FULL)
+
+    def __post_init__(self):
+        if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
+            raise ValueError(f"options must be a mapping of policy option names to values, e.g. {{'n_sink': 4}}, "
+                             f"got {self.options!r}")
+        set_ = lambda name, val: object.__setattr__(self, name, val)  # noqa: E731  (a frozen dataclass)
+        set_("options", types.MappingProxyType(dict(self.options)))
+        if self.is_full:
+            given = [f"{name}={getattr(self, name)!r}" for name in ("budget", "recent")
+                     if getattr(self, name) is not None]
+            given += ["protect_prompt=True"] if self.protect_prompt else []
+            given += ["options"] if self.options else []
+            if given:
+                raise ValueError(f"policy='full' is full attention (no eviction), but {', '.join(given)} was given; "
+                                 "drop it, or name an evicting policy")
+            set_("seed", _check_seed(self.seed))
+            return
+        # The same order as EvictingCache: sizes, then the policy (a wrong name is the error a user wants first).
+        check_sizes(self.budget, self.buffer)
+        set_("_options", types.MappingProxyType(self._with_stats()))
+        resolved, native = make_policy_and_mode(self.policy, **self._options)
+        recent = resolve_recent(self.budget, self.buffer, self.recent)
+        set_("seed", _check_seed(self.seed))
+        protect = resolve_protection(self.policy, resolved, native, self.protect_prompt)
+        check_scope(resolved, recent)
+        set_("_policy", resolved)
+        set_("_recent", recent)
+        set_("_protect", protect)
+
+    def _with_stats(self) -> dict:
+        """``options``, with ``stats`` under the policy's calibration option when it has one (options win)."""
+        opts = dict(self.options)
+        if self.stats is None:
+            return opts
+        if isinstance(self.policy, str):
+            option = make_policy_and_mode(self.policy)[0].calibration  # a class attribute: read before the options
+        elif getattr(self.policy, "calibration", None):
+            raise ValueError(f"stats given with a built policy ({self.policy!r}); pass its calibration data to the "
+                             "policy itself, or name the policy (e.g. 'triattention') so the spec can")
+        else:
+            option = None
+        return {option: self.stats, **opts} if option else opts
+
+    # -- what it resolved to ---------------------------------------------------------------------------------------
+    @property
+    def is_full(self) -> bool:
+        return isinstance(self.policy, str) and self.policy == FULL
+
+    @property
+    def policy_object(self) -> Optional[Policy]:
+        """The policy resolved once (its ``name``, ``needs``, ``uses_seed``, ``calibration``); None for full."""
+        return self._policy
+
+    @property
+    def recent_window(self) -> Optional[int]:
+        """The recent window the caches use (``recent``, or ``r``); None for full."""
+        return None if self.is_full else self._recent
+
+    @property
+    def protects_prompt(self) -> bool:
+        """Whether the caches pin the prompt (resolved from ``protect_prompt`` and the policy's own mode)."""
+        return False if self.is_full else self._protect
+
+    @property
+    def cache_options(self) -> dict:
+        """The policy options a cache gets: ``stats`` under the policy's calibration option, then ``options``."""
+        return dict(self._options)
+
+    # -- the rule and the caches -----------------------------------------------------------------------------------
+    def validate(self, prompt_len: int) -> Optional[str]:
+        """The prompt-fits rule for this spec: ``None`` when a ``prompt_len``-token prompt fits, else the problem,
+        naming the fields that fix it (``budget``, ``protect_prompt``). Full attention always fits."""
+        if not _is_int(prompt_len) or prompt_len < 0:
+            raise ValueError(f"prompt_len must be a non-negative integer, got {prompt_len!r}")
+        if self.is_full:
+            return None
+        return prompt_fits_problem(int(prompt_len), budget=self.budget, recent=self._recent, protect=self._protect)
+
+    def make_cache(self, *, keep_log: bool = False, row_keys: Optional[Iterable] = None,
+                   prompt_len: Optional[int] = None, max_tokens: Optional[int] = None):
+        """A fresh :class:`~randattn.EvictingCache` for one batch. ``prompt_len``, ``keep_log`` and ``row_keys`` go
+        to the cache. ``max_tokens`` (the most tokens a row reaches: prompt + new tokens) sizes a full spec's
+        cache, which is a cache too large ever to run a round; an evicting spec needs none."""
+        from .cache import EvictingCache
+
+        kw = dict(keep_log=keep_log, row_keys=row_keys, prompt_len=prompt_len)
+        if self.is_full:
+            if not _is_int(max_tokens) or max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer for policy='full' (prompt + new tokens: the "
+                                 f"cache is sized never to evict), got {max_tokens!r}")
+            # A round runs at T + r = max_tokens + 2 pairs, one more than a row ever holds.
+            return EvictingCache("random", budget=int(max_tokens) + 1, buffer=1, protect_prompt=False, **kw)
+        return EvictingCache(self.policy, budget=self.budget, buffer=self.buffer, recent=self.recent,
+                             protect_prompt=self.protect_prompt, seed=self.seed, **kw, **self.cache_options)
