@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ._memory import release_free_memory
 from .keeplog import KeepLog
 from .policies import CacheView, Policy, make_policy_and_mode
-from .spec import check_scope, check_sizes, prompt_fits_problem, resolve_protection, resolve_recent
+from .rules import check_scope, check_sizes, prompt_fits_problem, resolve_protection, resolve_recent
 
 __all__ = ["EvictingCache", "EvictingLayer", "round_seed", "select_keep", "ENGINE"]
 

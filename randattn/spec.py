@@ -4,7 +4,7 @@ A spec holds what a cache is built from (policy, ``T``, ``r``, recent window, pr
 options, calibration statistics), checks it once when it is made, with the messages :class:`EvictingCache` gives,
 and builds caches with :meth:`EvictionSpec.make_cache`. ``EvictionSpec.full()`` is full attention: no eviction.
 
-The field checks below are shared with :class:`~randattn.cache.EvictingCache`, so both refuse the same settings
+The field checks (:mod:`randattn.rules`) are shared with :class:`~randattn.cache.EvictingCache`, so both refuse the same settings
 with the same words.
 """
 
@@ -14,9 +14,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-import numpy as np
-
-from .policies import Policy, make_policy_and_mode, paper_mode_twin
+from .policies import Policy, make_policy_and_mode
+from .rules import (_is_int, check_scope, check_sizes, min_budget, prompt_fits_problem,  # noqa: F401
+                    resolve_protection, resolve_recent)
 from .seeding import _check_seed
 
 __all__ = ["EvictionSpec", "FULL", "prompt_fits_problem", "min_budget"]
@@ -25,73 +25,6 @@ __all__ = ["EvictionSpec", "FULL", "prompt_fits_problem", "min_budget"]
 FULL = "full"
 
 
-def _is_int(val) -> bool:
-    return not isinstance(val, bool) and isinstance(val, (int, np.integer))
-
-
-# -- the field checks (EvictingCache calls these too) --------------------------------------------------------------
-def check_sizes(budget, buffer) -> None:
-    for name, val in (("budget", budget), ("buffer", buffer)):
-        if not _is_int(val) or val <= 0:
-            raise ValueError(f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
-                             f"got {val!r}")
-
-
-def resolve_recent(budget: int, buffer: int, recent) -> int:
-    """The recent window: ``recent``, or the buffer ``r`` by default (the paper's engine)."""
-    if recent is None:
-        if buffer >= budget:
-            raise ValueError(
-                f"budget T={budget} must exceed the recent window, which is the buffer r={buffer} by default (the "
-                f"newest r pairs are kept untouched, as in the paper's engine, where T - r of the older ones are "
-                f"selected); use budget > {buffer}, a smaller buffer, or recent=0 to let all T + r pairs compete")
-        recent = buffer
-    if not _is_int(recent) or not 0 <= recent < budget:
-        raise ValueError(f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
-                         f"competition; default buffer={buffer}), got {recent!r} with budget={budget}")
-    return int(recent)
-
-
-def resolve_protection(policy, resolved: Policy, native: Optional[bool], protect_prompt) -> bool:
-    """Whether the prompt is pinned: the mode a paper alias or policy is defined with, else ``protect_prompt``
-    (default True); a ``protect_prompt`` contradicting a policy's own mode is refused."""
-    if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
-        name = policy if isinstance(policy, str) else resolved.name
-        raise ValueError(
-            f"policy {name!r} runs with the prompt {'protected' if native else 'unprotected'} by definition (a "
-            f"paper mode names its protection), but protect_prompt={protect_prompt!r}; drop protect_prompt, or "
-            f"use the other mode's name ({paper_mode_twin(name) or 'the plain policy name'})")
-    if protect_prompt is None:
-        return True if native is None else bool(native)
-    return bool(protect_prompt)
-
-
-def check_scope(resolved: Policy, recent: int) -> None:
-    if getattr(resolved, "scope", "layer") == "model" and recent < 1:
-        raise ValueError(f"policy {resolved.name!r} scores every layer's candidates at once, which needs "
-                         "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
-
-
-# -- the prompt-fits rule ------------------------------------------------------------------------------------------
-def min_budget(prompt_len: int, recent: int) -> int:
-    """The smallest ``T`` that holds a protected ``prompt_len``-token prompt: the prompt, one free slot to select
-    into (a round with no free slot would keep the same pairs forever), and the recent window."""
-    return prompt_len + 1 + recent
-
-
-def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: bool) -> Optional[str]:
-    """The one prompt-fits rule: ``None`` when a ``prompt_len``-token prompt fits, else the problem, naming the
-    fields that fix it (``budget``, ``protect_prompt``). An unprotected prompt always fits (it competes)."""
-    # The paper's engine silently protects only the first T - r - 1 prompt tokens of a longer prompt
-    # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is a problem here instead.
-    need = min_budget(prompt_len, recent)
-    if protect and need > budget:
-        return (f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
-                f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False")
-    return None
-
-
-# -- the spec ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EvictionSpec:
     """One eviction setting, checked when made; :meth:`make_cache` builds its caches.
