@@ -1,0 +1,134 @@
+"""The plugin's user config, and the round arithmetic every vLLM-side piece shares.
+
+How the config is read
+----------------------
+The user passes one mapping under the key ``"randattn"`` of vLLM's ``additional_config``::
+
+    LLM(model, additional_config={"randattn": {"policy": "random", "budget": 1024, "buffer": 64}})
+    vllm serve MODEL --additional-config '{"randattn": {"policy": "snapkv", "budget": 512, "buffer": 32}}'
+
+Keys (the :class:`randattn.EvictionSpec` fields, checked by it with the HF engine's messages):
+``policy`` (a registered name or paper mode alias; default ``"random"``), ``budget`` (T, required), ``buffer``
+(r, default 64), ``recent`` (default r), ``protect_prompt`` (default: the policy's own mode, else True), ``seed``
+(default 0), ``options`` (the policy's constructor options). Plugin-only keys: ``keep_log_dir`` (a folder: each
+finished request's keep-log is written there as ``<request key>.npz``, :class:`randattn.KeepLog` format; for
+conformance checks). Any other key is refused by name.
+
+:func:`read_config` turns ``VllmConfig.additional_config`` (a dict, or vLLM's own wrapper of one) into an
+:class:`EngineConfig`, or ``None`` when there is no ``"randattn"`` key (the plugin then changes nothing).
+Every process (front end, engine core, worker) reads the same ``additional_config``, so each can call it.
+
+The arithmetic (what the KV-cache manager and scheduler need)
+-------------------------------------------------------------
+A request's layer stores its prompt whole (no round inside a prompt: the HF engine runs at most one round, right
+at the end of the prefill, and only when the prompt is unprotected and at least ``T + r`` long), then one pair
+per token; a round runs in the forward that brings the stored count to ``T + r`` and leaves ``T``. So the rounds
+run at the absolute lengths ``first, first + r, first + 2r, ...`` with ``first = max(prompt_len, T + r)``
+(:func:`round_lengths`), a layer holds :func:`held_pairs` after ``n`` tokens, and never more than
+:func:`max_held_pairs` (the slots a request needs: ``ceil(max_held_pairs / block_size)`` blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ..spec import EvictionSpec
+
+__all__ = ["EngineConfig", "read_config", "parse_config", "max_held_pairs", "held_pairs", "round_lengths",
+           "next_round_length", "SECTION"]
+
+#: The key of ``additional_config`` the plugin reads.
+SECTION = "randattn"
+
+_SPEC_KEYS = ("policy", "budget", "buffer", "recent", "protect_prompt", "seed", "options")
+_PLUGIN_KEYS = ("keep_log_dir",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The checked plugin config: the eviction :attr:`spec` and the plugin-only settings."""
+
+    spec: EvictionSpec
+    keep_log_dir: Optional[str] = None
+
+    @property
+    def budget(self) -> int:
+        return self.spec.budget
+
+    @property
+    def buffer(self) -> int:
+        return self.spec.buffer
+
+    @property
+    def recent(self) -> int:
+        return self.spec.recent_window
+
+
+def parse_config(section: Mapping[str, Any]) -> EngineConfig:
+    """Check one ``additional_config["randattn"]`` mapping; errors name the bad key and the fix."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"additional_config['{SECTION}'] must be a mapping such as "
+                         f"{{'policy': 'random', 'budget': 1024, 'buffer': 64}}, got {type(section).__name__}")
+    unknown = sorted(set(section) - set(_SPEC_KEYS) - set(_PLUGIN_KEYS))
+    if unknown:
+        raise ValueError(f"additional_config['{SECTION}'] has unknown keys {unknown}; the keys are "
+                         f"{list(_SPEC_KEYS + _PLUGIN_KEYS)}")
+    if section.get("budget") is None:
+        raise ValueError(f"additional_config['{SECTION}'] needs 'budget' (T, the pairs each KV head holds after a "
+                         "round), e.g. {'policy': 'random', 'budget': 1024, 'buffer': 64}")
+    spec_kw = {k: section[k] for k in _SPEC_KEYS if k in section}
+    if "options" in spec_kw and spec_kw["options"] is None:
+        spec_kw["options"] = {}
+    spec = EvictionSpec(**spec_kw)
+    if spec.is_full:
+        raise ValueError(f"additional_config['{SECTION}']: policy 'full' means no eviction; drop the '{SECTION}' "
+                         "section to run vLLM unchanged")
+    log_dir = section.get("keep_log_dir")
+    if log_dir is not None and not isinstance(log_dir, str):
+        raise ValueError(f"additional_config['{SECTION}']['keep_log_dir'] must be a folder path string, got "
+                         f"{log_dir!r}")
+    return EngineConfig(spec=spec, keep_log_dir=log_dir)
+
+
+def read_config(additional_config: Any) -> Optional[EngineConfig]:
+    """The :class:`EngineConfig` in vLLM's ``additional_config``, or ``None`` when it has no ``"randattn"`` key."""
+    if additional_config is None:
+        return None
+    if not isinstance(additional_config, Mapping):  # vLLM may wrap the dict; read it as one
+        additional_config = dict(getattr(additional_config, "__dict__", {}) or {})
+    section = additional_config.get(SECTION)
+    return None if section is None else parse_config(section)
+
+
+def _first_round(prompt_len: int, cfg: EngineConfig) -> int:
+    return max(int(prompt_len), cfg.budget + cfg.buffer)
+
+
+def round_lengths(prompt_len: int, cfg: EngineConfig, upto: int) -> list[int]:
+    """The absolute lengths ``<= upto`` at which a request's rounds run (every layer the same)."""
+    first = _first_round(prompt_len, cfg)
+    return list(range(first, int(upto) + 1, cfg.buffer))
+
+
+def next_round_length(prompt_len: int, computed: int, cfg: EngineConfig) -> int:
+    """The smallest absolute length ``> computed`` at which a round runs: where a chunk that starts after
+    ``computed`` tokens may end at the latest (a chunk may end at a round, never cross one)."""
+    first = _first_round(prompt_len, cfg)
+    if computed < first:
+        return first
+    return first + ((computed - first) // cfg.buffer + 1) * cfg.buffer
+
+
+def held_pairs(prompt_len: int, n_tokens: int, cfg: EngineConfig) -> int:
+    """Pairs each KV head of a layer holds after ``n_tokens`` tokens (prompt included) were processed."""
+    first = _first_round(prompt_len, cfg)
+    if n_tokens < first:
+        return int(n_tokens)
+    return cfg.budget + (n_tokens - first) % cfg.buffer
+
+
+def max_held_pairs(prompt_len: int, cfg: EngineConfig) -> int:
+    """The most pairs a request's layer ever holds (inside the forward that runs a round): ``max(prompt_len,
+    T + r)``. The slots to allocate: ``ceil(max_held_pairs(prompt_len, cfg) / block_size)`` blocks."""
+    return _first_round(prompt_len, cfg)
