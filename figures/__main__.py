@@ -17,9 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from randattn.analysis.files import DiskFull, NotOurs, check_ours
-from randattn.analysis.rows import read_json, read_rows, read_table
-from randattn.analysis.shipped import shipped_result
+from analysis.files import DiskFull, NotOurs, check_ours
+from analysis.rows import read_json, read_rows, read_table
+from analysis.shipped import shipped_result
 
 # figure name -> (module:function, how its input is read, the result it draws by default, the command that makes it)
 FIGURES = {

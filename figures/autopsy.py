@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from randattn.analysis.autopsy import unpack_mask
+from analysis.autopsy import unpack_mask
 
 from . import style
 

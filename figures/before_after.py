@@ -43,7 +43,7 @@ SURVIVAL = "data/results/survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
 
 def _survival_summary(rows: list[dict]) -> list[dict]:
     """Per (policy, mode): per-head and union survival after 12 rounds, slot coverage, prompt survival (union)."""
-    from randattn.analysis.survival import pool
+    from analysis.survival import pool
 
     out = []
     for p in pool(rows).values():

@@ -7,8 +7,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from randattn.analysis.planted import heads_holding as _size
-from randattn.analysis.planted import summarize
+from analysis.planted import heads_holding as _size
+from analysis.planted import summarize
 
 from . import style
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from randattn.analysis.planted import rotating_pairs, scatter_compare, summarize
+from analysis.planted import rotating_pairs, scatter_compare, summarize
 
 from . import style
 

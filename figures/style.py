@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # figures are files; never open a window (CI, ssh, notebo
 import matplotlib.pyplot as plt  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from randattn.analysis.files import FIGURE_METADATA, check_ours, replacing  # noqa: E402
+from analysis.files import FIGURE_METADATA, check_ours, replacing  # noqa: E402
 
 PALETTE = sns.color_palette("colorblind")
 

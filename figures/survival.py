@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from randattn.analysis.survival import pool
+from analysis.survival import pool
 
 from . import style
 

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from randattn.analysis.shipped import shipped_result
+from analysis.shipped import shipped_result
 
 
 def result_path(rel: str) -> Path:

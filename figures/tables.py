@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from randattn.analysis.files import replacing
+from analysis.files import replacing
 
 from figures.table_io import bench_footer, ci, f, footer, markdown, read_csv, read_json, read_jsonl, result_path
 
@@ -115,7 +115,7 @@ def prompt_protection() -> list[str]:
 
 
 def survival() -> list[str]:
-    from randattn.analysis.survival import mean_deficit, pool
+    from analysis.survival import mean_deficit, pool
 
     rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
     pooled = pool(read_jsonl(rel))
@@ -132,7 +132,7 @@ def survival() -> list[str]:
 
 
 def survival_random() -> list[str]:
-    from randattn.analysis.survival import pool
+    from analysis.survival import pool
 
     rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
     pooled = pool(read_jsonl(rel))
@@ -165,7 +165,7 @@ def accuracy() -> list[str]:
 
 
 def accuracy_repeat() -> list[str]:
-    from randattn.analysis.repeat import DEGENERATE, copies, fidelity
+    from analysis.repeat import DEGENERATE, copies, fidelity
 
     rel = "accuracy/smollm2-135m-repeat-r8-n1664-s0.jsonl"
     rows = read_jsonl(rel)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from randattn.analysis.planted import pair_tests, summarize
+from analysis.planted import pair_tests, summarize
 
 from . import style
 

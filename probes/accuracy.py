@@ -45,9 +45,9 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
+from analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
                                        warn_uncompressed)
-from randattn.analysis.files import write_text
+from analysis.files import write_text
 from randattn.spec import min_budget, prompt_fits_problem
 from randattn.stats import comparison_table
 

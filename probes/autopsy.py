@@ -50,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.analysis.autopsy import held_map, location, pack_mask, span_survival, summarize, windows
+from analysis.autopsy import held_map, location, pack_mask, span_survival, summarize, windows
 
 from . import cli
 from .common import policy_slug

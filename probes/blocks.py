@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.analysis.planted import nll_deltas, summarize
+from analysis.planted import nll_deltas, summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, option

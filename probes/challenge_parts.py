@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 import randattn
 from randattn import keepstats
-from randattn.analysis.accuracy import grades_by_arm
-from randattn.analysis.planted import lp_table, passcode_compare, summarize
+from analysis.accuracy import grades_by_arm
+from analysis.planted import lp_table, passcode_compare, summarize
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, survival

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from randattn.analysis.files import DiskFull, NotOurs
-from randattn.analysis.rows import BadRow
+from analysis.files import DiskFull, NotOurs
+from analysis.rows import BadRow
 
 from .config import ConfigError, build, flag_of, parser_for
 from .results import RunInUse, release_folders

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from randattn.analysis.rows import BadRow, check_row
+from analysis.rows import BadRow, check_row
 
 from .grid_spec import Unit
 

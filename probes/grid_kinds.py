@@ -25,7 +25,7 @@ import torch
 import randattn
 from randattn.traces import load_traces
 
-from randattn.analysis.planted import passcode_compare
+from analysis.planted import passcode_compare
 
 from . import accuracy as acc
 from . import cli

@@ -18,7 +18,7 @@ import itertools
 import sys
 from dataclasses import dataclass
 
-from randattn.analysis.planted import endpoint_check, pooling_findings, subset_label, summarize
+from analysis.planted import endpoint_check, pooling_findings, subset_label, summarize
 
 from . import cli
 from .planted import Condition, subsets

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import randattn
-from randattn.analysis.planted import passcode_compare
+from analysis.planted import passcode_compare
 
 from . import cli
 from .config import POSITIVE, ConfigError, option

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.analysis.planted import ConditionSummary
+from analysis.planted import ConditionSummary
 from randattn.keepstats import random_round_survival
 from randattn.traces import load_traces
 
@@ -306,11 +306,11 @@ def finish(s: Session, table: Sequence[dict], figure: Optional[str] = None) -> P
 
 def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:
     """A tidy CSV of summary rows (columns: the union of the rows' keys, in first-seen order), written through a
-    temporary file renamed into place, and only over a summary randattn wrote (``randattn.analysis.files``)."""
+    temporary file renamed into place, and only over a summary randattn wrote (``analysis.files``)."""
     import csv
     import io
 
-    from randattn.analysis.files import write_text
+    from analysis.files import write_text
 
     keys = list(dict.fromkeys(k for r in table for k in r))
     buf = io.StringIO(newline="")

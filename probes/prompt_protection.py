@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
-from randattn.analysis.prompt_protection import summarize
+from analysis.prompt_protection import summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, RunConfig, check_budget, option

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Optional
 
-from randattn.analysis.files import DiskFull, NotOurs, disk_full
-from randattn.analysis.rows import BadRow, check_row
+from analysis.files import DiskFull, NotOurs, disk_full
+from analysis.rows import BadRow, check_row
 
 __all__ = ["ResultsFile", "NotOurFile", "RunInUse", "hold_folder", "release_folders", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
            "protection_tag", "run_record", "trace_label", "versions", "INFORMATIONAL"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from randattn.analysis.planted import endpoint_check, rotating_pairs, scatter_compare, summarize
+from analysis.planted import endpoint_check, rotating_pairs, scatter_compare, summarize
 
 from . import cli
 from .config import ConfigError

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import randattn
-from randattn.analysis.planted import nll_deltas, passcode_compare, summarize
+from analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
 from . import cli, passcode

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 import randattn
 from randattn import keepstats
-from randattn.analysis.survival import Pooled, mean_deficit, pool
+from analysis.survival import Pooled, mean_deficit, pool
 from randattn.traces import load_traces
 
 from . import cli

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from randattn.analysis.repeat import copies, fidelity
+from analysis.repeat import copies, fidelity
 
 __all__ = ["Problem", "Grade", "Task", "TASKS", "TaskDataError", "get_task", "load_problems", "last_boxed",
            "math_equal", "grade_math", "choice_letter", "grade_choice", "shuffle_choices", "copy_numbers",

@@ -20,7 +20,7 @@ import itertools
 import sys
 from dataclasses import dataclass
 
-from randattn.analysis.planted import endpoint_check, pair_tests, summarize
+from analysis.planted import endpoint_check, pair_tests, summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, option

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from probes.results import ResultsFile, RunInUse, release_folders
-from randattn.analysis.files import NotOurs, SLOW_ENV, check_ours, why_not_ours, write_text
+from analysis.files import NotOurs, SLOW_ENV, check_ours, why_not_ours, write_text
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -50,18 +50,18 @@ def _interrupt_mid_write(proc: subprocess.Popen, target: Path, sig: int, timeout
 
 
 def _no_temporaries(folder: Path) -> None:
-    from randattn.analysis.files import _sweep
+    from analysis.files import _sweep
 
     for p in list(folder.iterdir()):
         _sweep(p)  # what the next write does: a dead writer's temporary goes
     assert not [p.name for p in folder.iterdir() if ".randattn-tmp-" in p.name]
 
 
-# The writer every summary goes through (probes.planted_run.write_csv -> randattn.analysis.files.write_text), loaded
+# The writer every summary goes through (probes.planted_run.write_csv -> analysis.files.write_text), loaded
 # on its own: a subprocess that imports torch would take most of a test's time just starting.
 WRITER = f"""
     import importlib.util, sys
-    spec = importlib.util.spec_from_file_location("files", {str(REPO / "randattn" / "analysis" / "files.py")!r})
+    spec = importlib.util.spec_from_file_location("files", {str(REPO / "analysis" / "files.py")!r})
     files = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(files)
 """

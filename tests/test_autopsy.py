@@ -11,7 +11,7 @@ from conftest import random_ids
 from probes import autopsy
 from probes.autopsy import Autopsy, Case, Pool
 from probes.tasks import chat_ids
-from randattn.analysis.autopsy import held_map, location, summarize, windows
+from analysis.autopsy import held_map, location, summarize, windows
 
 NEEDLE_POLICY = '''
 import torch

@@ -152,7 +152,7 @@ def test_head_pooling_refuses_a_foreign_out_file_before_loading_anything(tiny_di
 
 def test_planted_probe_resume_after_a_torn_batch_matches_an_uninterrupted_run(tiny_dir, tmp_path):
     from probes import head_pooling
-    from randattn.analysis.planted import summarize
+    from analysis.planted import summarize
 
     args = ["--model", tiny_dir, "--budget", "64", "--buffer", "12", "--distance", "90", "--instances", "4",
             "--batch", "2", "--parity", "0", "--no-figure"]

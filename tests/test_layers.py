@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("randattn", "probes", "figures", "bench")
+PACKAGES = ("randattn", "analysis", "probes", "figures", "bench")
 
 
 def _module_name(path: Path) -> str:
@@ -69,7 +69,8 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("layer,forbidden", [
-    ("randattn", ("probes", "figures", "bench")),  # the core knows nothing above it
+    ("randattn", ("analysis", "probes", "figures", "bench")),  # the core knows nothing above it
+    ("analysis", ("probes", "figures", "bench")),  # row analysis: the core below it, nothing beside or above
     ("probes", ("figures",)),  # probes ask the figures command to draw; they never import it
     ("figures", ("probes", "bench")),  # figures plot tables they are given
 ])

@@ -10,7 +10,7 @@ import torch
 import randattn
 from probes.planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, run_batch, subsets
 from probes.results import DEFAULT_TRACES
-from randattn.analysis.planted import endpoint_check, summarize
+from analysis.planted import endpoint_check, summarize
 from probes.results import ResultsFile
 from randattn.testing import tiny_model
 from randattn.traces import load_traces

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from probes.results import ResultsFile
-from randattn.analysis.rows import BadRow, read_rows
+from analysis.rows import BadRow, read_rows
 
 KEY = ("instance", "condition", "fact")
 CONFIG = {"probe": "head_pooling", "model": "tiny"}

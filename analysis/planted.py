@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..stats import Estimate, bootstrap, mean_ci, recall_ci
+from randattn.stats import Estimate, bootstrap, mean_ci, recall_ci
 
 
 def lp_table(rows: Sequence[dict], fact: Optional[int] = 0) -> dict:

@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..keeplog import KeepLog
-from ..keepstats import random_survival, union_survival
+from randattn.keeplog import KeepLog
+from randattn.keepstats import random_survival, union_survival
 
 __all__ = ["HeldMap", "held_map", "span_survival", "location", "summarize", "LOCATIONS", "pack_mask", "unpack_mask",
            "windows", "spans_text"]

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..stats import comparison_table, mean_ci, paired_comparison, per_problem_means  # noqa: F401 (re-exported)
+from randattn.stats import comparison_table, mean_ci, paired_comparison, per_problem_means  # noqa: F401 (re-exported)
 
 FULL = "full"
 

@@ -1,3 +1,3 @@
 """Re-export of :mod:`randattn.shipped` for the analysis layer's callers."""
 
-from ..shipped import shipped, shipped_result  # noqa: F401
+from randattn.shipped import shipped, shipped_result  # noqa: F401

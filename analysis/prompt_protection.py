@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..stats import mean_ci
+from randattn.stats import mean_ci
 
 
 def summarize(rows: list[dict], policies: list[str], n: int, seed: int = 0) -> list[dict]:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..keepstats import SurvivalCurve
+from randattn.keepstats import SurvivalCurve
 
 
 METRICS = ("slot_coverage", "prompt_union", "prompt_head", "jaccard", "entropy")
