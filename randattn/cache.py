@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ._memory import release_free_memory
 from .keeplog import KeepLog
 from .policies import CacheView, Policy, make_policy_and_mode
-from .rules import check_scope, check_sizes, prompt_fits_problem, resolve_protection, resolve_recent
+from .rules import SpecError, check_scope, check_sizes, prompt_fits_problem, resolve_protection, resolve_recent
 
 __all__ = ["EvictingCache", "EvictingLayer", "round_seed", "select_keep", "ENGINE"]
 
@@ -820,7 +820,7 @@ class EvictingCache(Cache):
     def _check_prompt_fits(self, prompt_len: int) -> None:
         problem = prompt_fits_problem(prompt_len, budget=self.budget, recent=self.recent, protect=self.protect_prompt)
         if problem:
-            raise ValueError(problem)
+            raise SpecError(problem.field, problem)
 
     def _rule_masks(self, layer_idx: int, positions: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         pinned = evicted = None

@@ -10,6 +10,31 @@ import numpy as np
 
 from .policies import Policy, paper_mode_twin
 
+__all__ = ["SpecError", "Problem", "check_sizes", "resolve_recent", "resolve_protection", "check_scope", "min_budget",
+           "prompt_fits_problem"]
+
+
+class SpecError(ValueError):
+    """A setting is refused; ``field`` names it (``budget``, ``buffer``, ``recent``, ``policy``, ``options``,
+    ``protect_prompt``, ``seed``, ``stats``), so a command line can name its flag without reading the message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class Problem(str):
+    """What :func:`prompt_fits_problem` (and :meth:`randattn.EvictionSpec.validate`) return for a prompt that does
+    not fit: the message, a plain ``str``, with ``field`` naming the setting that fixes it (``budget``)."""
+
+    field: str
+
+    def __new__(cls, message: str, field: str):
+        obj = super().__new__(cls, message)
+        obj.field = field
+        return obj
+
+
 def _is_int(val) -> bool:
     return not isinstance(val, bool) and isinstance(val, (int, np.integer))
 
@@ -18,7 +43,7 @@ def _is_int(val) -> bool:
 def check_sizes(budget, buffer) -> None:
     for name, val in (("budget", budget), ("buffer", buffer)):
         if not _is_int(val) or val <= 0:
-            raise ValueError(f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
+            raise SpecError(name, f"{name} must be a positive integer (T pairs per head after a round, r buffer), "
                              f"got {val!r}")
 
 
@@ -26,13 +51,13 @@ def resolve_recent(budget: int, buffer: int, recent) -> int:
     """The recent window: ``recent``, or the buffer ``r`` by default (the paper's engine)."""
     if recent is None:
         if buffer >= budget:
-            raise ValueError(
+            raise SpecError("budget",
                 f"budget T={budget} must exceed the recent window, which is the buffer r={buffer} by default (the "
                 f"newest r pairs are kept untouched, as in the paper's engine, where T - r of the older ones are "
                 f"selected); use budget > {buffer}, a smaller buffer, or recent=0 to let all T + r pairs compete")
         recent = buffer
     if not _is_int(recent) or not 0 <= recent < budget:
-        raise ValueError(f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
+        raise SpecError("recent", f"recent must be an integer in [0, budget) (the newest pairs kept outside the "
                          f"competition; default buffer={buffer}), got {recent!r} with budget={budget}")
     return int(recent)
 
@@ -42,7 +67,7 @@ def resolve_protection(policy, resolved: Policy, native: Optional[bool], protect
     (default True); a ``protect_prompt`` contradicting a policy's own mode is refused."""
     if protect_prompt is not None and native is not None and bool(protect_prompt) != native:
         name = policy if isinstance(policy, str) else resolved.name
-        raise ValueError(
+        raise SpecError("protect_prompt",
             f"policy {name!r} runs with the prompt {'protected' if native else 'unprotected'} by definition (a "
             f"paper mode names its protection), but protect_prompt={protect_prompt!r}; drop protect_prompt, or "
             f"use the other mode's name ({paper_mode_twin(name) or 'the plain policy name'})")
@@ -53,7 +78,7 @@ def resolve_protection(policy, resolved: Policy, native: Optional[bool], protect
 
 def check_scope(resolved: Policy, recent: int) -> None:
     if getattr(resolved, "scope", "layer") == "model" and recent < 1:
-        raise ValueError(f"policy {resolved.name!r} scores every layer's candidates at once, which needs "
+        raise SpecError("recent", f"policy {resolved.name!r} scores every layer's candidates at once, which needs "
                          "recent >= 1 (the newest pairs stay out of the round); use recent >= 1")
 
 
@@ -64,16 +89,15 @@ def min_budget(prompt_len: int, recent: int) -> int:
     return prompt_len + 1 + recent
 
 
-def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: bool) -> Optional[str]:
-    """The one prompt-fits rule: ``None`` when a ``prompt_len``-token prompt fits, else the problem, naming the
-    fields that fix it (``budget``, ``protect_prompt``). An unprotected prompt always fits (it competes)."""
+def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: bool) -> Optional[Problem]:
+    """The one prompt-fits rule: ``None`` when a ``prompt_len``-token prompt fits, else the :class:`Problem` (a
+    ``str``, its ``field`` ``budget``), naming the fields that fix it (``budget``, ``protect_prompt``). An
+    unprotected prompt always fits (it competes)."""
     # The paper's engine silently protects only the first T - r - 1 prompt tokens of a longer prompt
     # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is a problem here instead.
     need = min_budget(prompt_len, recent)
     if protect and need > budget:
-        return (f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
-                f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False")
+        return Problem(f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
+                       f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False", "budget")
     return None
 
-
-# -- the spec ------------------------------------------------------------------------------------------------------

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .policies import Policy, make_policy_and_mode
-from .rules import (_is_int, check_scope, check_sizes, min_budget, prompt_fits_problem,  # noqa: F401
-                    resolve_protection, resolve_recent)
+from .rules import (Problem, SpecError, _is_int, check_scope, check_sizes, min_budget,  # noqa: F401
+                    prompt_fits_problem, resolve_protection, resolve_recent)
 from .seeding import _check_seed
 
-__all__ = ["EvictionSpec", "FULL", "prompt_fits_problem", "min_budget"]
+__all__ = ["EvictionSpec", "FULL", "SpecError", "Problem", "prompt_fits_problem", "min_budget"]
 
 #: The policy name meaning "no eviction" (full attention).
 FULL = "full"
@@ -39,6 +39,9 @@ class EvictionSpec:
             calibration option (``Policy.calibration``, TriAttention's ``stats``) when it has one, unused by a
             policy without one (a run passes one file to all its policies). An explicit option of the same name in
             ``options`` wins.
+
+    Every refusal is a :class:`SpecError` (a ``ValueError``) whose ``field`` names the setting to change; the
+    message is the one :class:`EvictingCache` gives.
 
     The policy is resolved once, here, for its declared needs (:attr:`policy_object`); each cache still builds its
     own instance from ``policy``, since a policy may keep state per model (TriAttention binds statistics) or per
@@ -67,7 +70,7 @@ class EvictionSpec:
 
     def __post_init__(self):
         if not isinstance(self.options, Mapping) or not all(isinstance(k, str) for k in self.options):
-            raise ValueError(f"options must be a mapping of policy option names to values, e.g. {{'n_sink': 4}}, "
+            raise SpecError("options", f"options must be a mapping of policy option names to values, e.g. {{'n_sink': 4}}, "
                              f"got {self.options!r}")
         set_ = lambda name, val: object.__setattr__(self, name, val)  # noqa: E731  (a frozen dataclass)
         set_("options", types.MappingProxyType(dict(self.options)))
@@ -77,16 +80,16 @@ class EvictionSpec:
             given += ["protect_prompt=True"] if self.protect_prompt else []
             given += ["options"] if self.options else []
             if given:
-                raise ValueError(f"policy='full' is full attention (no eviction), but {', '.join(given)} was given; "
+                raise SpecError(given[0].split("=")[0], f"policy='full' is full attention (no eviction), but {', '.join(given)} was given; "
                                  "drop it, or name an evicting policy")
-            set_("seed", _check_seed(self.seed))
+            set_("seed", _seed(self.seed))
             return
         # The same order as EvictingCache: sizes, then the policy (a wrong name is the error a user wants first).
         check_sizes(self.budget, self.buffer)
         set_("_options", types.MappingProxyType(self._with_stats()))
-        resolved, native = make_policy_and_mode(self.policy, **self._options)
+        resolved, native = _resolve(self.policy, self._options)
         recent = resolve_recent(self.budget, self.buffer, self.recent)
-        set_("seed", _check_seed(self.seed))
+        set_("seed", _seed(self.seed))
         protect = resolve_protection(self.policy, resolved, native, self.protect_prompt)
         check_scope(resolved, recent)
         set_("_policy", resolved)
@@ -99,9 +102,9 @@ class EvictionSpec:
         if self.stats is None:
             return opts
         if isinstance(self.policy, str):
-            option = make_policy_and_mode(self.policy)[0].calibration  # a class attribute: read before the options
+            option = _resolve(self.policy, {})[0].calibration  # a class attribute: read before the options
         elif getattr(self.policy, "calibration", None):
-            raise ValueError(f"stats given with a built policy ({self.policy!r}); pass its calibration data to the "
+            raise SpecError("stats", f"stats given with a built policy ({self.policy!r}); pass its calibration data to the "
                              "policy itself, or name the policy (e.g. 'triattention') so the spec can")
         else:
             option = None
@@ -133,9 +136,10 @@ class EvictionSpec:
         return dict(self._options)
 
     # -- the rule and the caches -----------------------------------------------------------------------------------
-    def validate(self, prompt_len: int) -> Optional[str]:
-        """The prompt-fits rule for this spec: ``None`` when a ``prompt_len``-token prompt fits, else the problem,
-        naming the fields that fix it (``budget``, ``protect_prompt``). Full attention always fits."""
+    def validate(self, prompt_len: int) -> Optional[Problem]:
+        """The prompt-fits rule for this spec: ``None`` when a ``prompt_len``-token prompt fits, else the
+        :class:`Problem` (a ``str`` whose ``field`` is ``budget``), naming the fields that fix it (``budget``,
+        ``protect_prompt``). Full attention always fits."""
         if not _is_int(prompt_len) or prompt_len < 0:
             raise ValueError(f"prompt_len must be a non-negative integer, got {prompt_len!r}")
         if self.is_full:
@@ -158,3 +162,26 @@ class EvictionSpec:
             return EvictingCache("random", budget=int(max_tokens) + 1, buffer=1, protect_prompt=False, **kw)
         return EvictingCache(self.policy, budget=self.budget, buffer=self.buffer, recent=self.recent,
                              protect_prompt=self.protect_prompt, seed=self.seed, **kw, **self.cache_options)
+
+
+def _resolve(policy, options: Mapping[str, Any]):
+    """``make_policy_and_mode``, its refusal a :class:`SpecError` naming ``options`` when the name alone resolves
+    (the options are what is wrong), else ``policy``."""
+    try:
+        return make_policy_and_mode(policy, **options)
+    except ValueError as exc:
+        field_ = "policy"
+        if options:
+            try:
+                make_policy_and_mode(policy)
+                field_ = "options"
+            except (ValueError, TypeError):
+                pass
+        raise SpecError(field_, str(exc)) from exc
+
+
+def _seed(seed):
+    try:
+        return _check_seed(seed)
+    except ValueError as exc:
+        raise SpecError("seed", str(exc)) from exc
