@@ -1,0 +1,293 @@
+"""Every probe as units: ``plan(config, model) -> Plan``, ``run_unit(model, tok, unit) -> rows``, ``merge(...)``.
+
+A probe *kind* is three functions and its config class, registered here by name (:data:`KINDS`)::
+
+    KIND = units.Kind("my_probe", Config, plan, run_unit, merge)      # at the end of probes/my_probe.py
+
+- ``plan(config, model: ModelInfo) -> Plan`` runs on the driver, with the tokenizer and the model's shape but not
+  necessarily its weights (:class:`ModelInfo`). It checks everything a run could refuse (raising
+  :class:`~probes.config.ConfigError` naming the field) and returns the result files (:class:`Output`: path, the
+  config record stored in every row, key fields) and the :class:`Unit` s that fill them, in the order a fresh
+  single-machine run computes them. A unit is one batch of that run: what makes its rows is fixed by the plan, not
+  by scheduling, so every backend computes the same rows. ``Plan.then``, when set, plans a further stage from the
+  rows of the first (the accuracy harness's ``--compression`` sweep, which needs full attention's lengths first).
+- ``run_unit(model, tok, unit)`` runs on a worker with the model loaded; it reads only ``unit.work`` (JSON-able or
+  picklable inputs the plan put there) and yields one list of rows per part of the unit (``unit.parts``, in order:
+  a planted-fact batch yields each condition's rows as it finishes; most units have one part). Each row carries
+  its key fields. :func:`unit_rows` collects them into one list.
+- ``merge(plan, rows, figures) -> list[Path]`` turns the rows of each output (``{output path: rows}``, in plan
+  order) into the probe's summaries, tables and figures, printing its summary; returns the files written.
+
+A unit names its rows by key: ``fixed`` (key fields shared by all its rows, e.g. the accuracy arm), ``items`` (one
+dict per item, e.g. ``{"problem": ..., "run": ...}`` or ``{"instance": i}``), ``parts`` (e.g. ``{"condition":
+"h0"}``) and ``fanout`` (more rows per item and part, e.g. ``{"fact": [0, 1]}``). Each item has a stable id (a hash
+of its output's config, the unit's key fields and the unit's membership), which the grid stores it under.
+
+Backends run units and never know which probe they belong to:
+
+- :func:`run_local` (every probe's command line): the units of a plan in this process, in plan order, each part
+  appended to its :class:`~probes.results.ResultsFile` as it finishes (one write and one fsync). Resume is the
+  results rule: a unit whose rows are all in the file is skipped, one with some parts done runs only the missing
+  parts (:meth:`Unit.pending`), so a killed run resumes to the same rows, and bad input is refused before a byte
+  changes.
+- ``probes.grid`` with ``probes.grid_backends`` (``--backend local|ray``): the same units from a TOML spec of any
+  registered kind, each finished item written once to ``DIR/items/`` by the driver (a Ray actor per worker returns
+  rows, never writes), then merged into the files :func:`run_local` writes, row for row and in the same order
+  (:func:`ordered_rows`), and the kind's ``merge``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from tqdm.auto import tqdm
+
+__all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
+           "run_local", "unit_rows", "ordered_rows", "rows_of_item"]
+
+
+def stable_id(*parts: Any) -> str:
+    """A short hash of JSON-able parts (dict keys sorted), the same on every machine and run."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass
+class Output:
+    """One result file of a plan: where it goes, the config record in each of its rows, its key fields."""
+
+    path: str
+    config: dict
+    key: tuple[str, ...]
+    meta: dict = field(default_factory=dict)  # whatever the kind's merge needs about this file
+
+
+@dataclass
+class Unit:
+    """One batch of a probe's run: everything a worker needs besides the model weights, and the keys of its rows."""
+
+    kind: str
+    model: str  # what the worker loads (randattn.load_model's name)
+    output: str  # Output.path its rows go to
+    fixed: dict  # key fields shared by every row of the unit
+    items: list[dict]  # per item, its own key fields, in row order
+    work: dict  # the inputs run_unit reads
+    parts: list[dict] = field(default_factory=lambda: [{}])  # run_unit yields one list of rows per part, in order
+    fanout: dict = field(default_factory=dict)  # key field -> values: more rows per item and part
+    ids: list[str] = field(default_factory=list)  # per item, its stable id (make_unit)
+    id: str = ""
+    label: str = ""  # a short description for progress and failure messages
+
+    def __post_init__(self):
+        self.id = self.id or stable_id(self.ids or self.items)
+
+    def keys(self, item: dict, parts: Optional[list[dict]] = None) -> Iterator[dict]:
+        """The full keys of the rows ``item`` gets (for ``parts``, default all)."""
+        names = list(self.fanout)
+        for part in self.parts if parts is None else parts:
+            for combo in itertools.product(*(self.fanout[n] for n in names)):
+                yield {**self.fixed, **item, **part, **dict(zip(names, combo))}
+
+    def pending(self, done: set, key_fields: tuple[str, ...]) -> Optional["Unit"]:
+        """This unit narrowed to the parts some of whose rows are not in ``done`` (row keys as
+        :meth:`ResultsFile.key` makes them); None when every row is there."""
+        def missing(part):
+            return any(_key(k, key_fields) not in done for item in self.items for k in self.keys(item, [part]))
+
+        parts = [p for p in self.parts if missing(p)]
+        if not parts:
+            return None
+        if len(parts) == len(self.parts):
+            return self
+        return Unit(self.kind, self.model, self.output, self.fixed, self.items, self.work, parts, self.fanout,
+                    self.ids, self.id, self.label)
+
+
+def _key(row: dict, key_fields: tuple[str, ...]) -> tuple:
+    return tuple(_hashable(row[k]) for k in key_fields)
+
+
+def _hashable(value):
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def make_unit(kind: str, model: str, output: Output, fixed: dict, items: list[dict], work: dict, *,
+              parts: Optional[list[dict]] = None, fanout: Optional[dict] = None, salt: Any = None,
+              label: str = "") -> Unit:
+    """A unit whose item ids hash the output's config (less where it was measured), the unit's key fields, the
+    item and the unit's membership (a batch's composition and seed decide its rows); ``salt``: anything else that
+    decides them and is in no key (e.g. a batch seed)."""
+    from .results import INFORMATIONAL
+
+    config = {k: v for k, v in output.config.items() if k not in INFORMATIONAL}
+    parts, fanout = parts or [{}], fanout or {}
+    ids = [stable_id(config, fixed, parts, fanout, salt, item, items) for item in items]
+    return Unit(kind, model, output.path, fixed, items, work, parts, fanout, ids, label=label)
+
+
+@dataclass
+class Plan:
+    """What one probe configuration computes: its result files and the units that fill them, in run order."""
+
+    kind: str
+    config: Any
+    outputs: list[Output]
+    units: list[Unit]
+    then: Optional[Callable[[dict], "Plan"]] = None  # a further stage, planned from {output path: rows} so far
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def items(self) -> list[str]:
+        return [i for u in self.units for i in u.ids]
+
+    def output(self, path: str) -> Output:
+        return next(o for o in self.outputs if o.path == path)
+
+
+@dataclass
+class Kind:
+    """A registered probe kind: its config class and its plan / run_unit / merge."""
+
+    name: str
+    config: type
+    plan: Callable[[Any, "ModelInfo"], Plan]
+    run_unit: Callable[[Any, Any, Unit], Iterable[list[dict]]]
+    merge: Callable[[Plan, dict, bool], list]
+    results: str = ""  # the folder under data/results/ (default: the name)
+
+    def __post_init__(self):
+        self.results = self.results or self.name
+
+
+#: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
+KINDS: dict[str, str] = {"accuracy": "probes.accuracy", "passcode": "probes.passcode"}
+_LOADED: dict[str, Kind] = {}
+
+
+def register(name: str, module: str) -> None:
+    """Make ``module`` (which defines ``KIND``) the kind ``name``: the grid and the backends find it by name."""
+    KINDS[name] = module
+    _LOADED.pop(name, None)
+
+
+def kind(name: str) -> Kind:
+    """The registered kind ``name``; KeyError naming the known kinds."""
+    if name not in _LOADED:
+        if name not in KINDS:
+            raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))}")
+        _LOADED[name] = importlib.import_module(KINDS[name]).KIND
+    return _LOADED[name]
+
+
+# -- what the driver knows about a model -------------------------------------------------------------
+class ModelInfo:
+    """A model as a plan sees it: its name, tokenizer, HF config, which embedded model it is (if one), its
+    generation config, and the loaded model when the planner has it (a local run). Policies bind to it
+    (:meth:`randattn.Policy.bind` reads ``config`` and ``_randattn_embedded``), so a grid's driver refuses a policy
+    that cannot serve a model without loading any weights."""
+
+    def __init__(self, name: str, tokenizer, config, *, embedded: Optional[str] = None, generation_config=None,
+                 model=None):
+        self.name, self.tokenizer, self.config = name, tokenizer, config
+        self._randattn_embedded = embedded
+        self.generation_config = generation_config
+        self.model = model
+
+    @property
+    def embedded(self) -> Optional[str]:
+        return self._randattn_embedded
+
+    @property
+    def bind_target(self):
+        """What policies bind to: the loaded model when there is one, else this weightless view."""
+        return self.model if self.model is not None else self
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(KV heads, layers)``."""
+        from .planted import model_shape
+
+        return model_shape(self.bind_target)
+
+    @classmethod
+    def loaded(cls, name: str, model, tokenizer) -> "ModelInfo":
+        return cls(name, tokenizer, model.config, embedded=getattr(model, "_randattn_embedded", None),
+                   generation_config=getattr(model, "generation_config", None), model=model)
+
+
+# -- the local backend -----------------------------------------------------------------------------
+def unit_rows(k: Kind, model, tok, unit: Unit) -> list[dict]:
+    """Every row of one unit, all parts together."""
+    return [r for part in k.run_unit(model, tok, unit) for r in part]
+
+
+def rows_of_item(unit: Unit, item: dict, rows: list[dict]) -> list[dict]:
+    """The rows of ``rows`` that belong to ``item`` of ``unit`` (their key fields match it)."""
+    return [r for r in rows if all(r.get(f) == v for f, v in item.items())]
+
+
+def ordered_rows(unit: Unit, rows: list[dict]) -> list[dict]:
+    """A unit's rows in the order :func:`run_local` writes them: part by part, item by item within a part."""
+    out = []
+    for part in unit.parts:
+        in_part = [r for r in rows if all(r.get(f) == v for f, v in part.items())]
+        for item in unit.items:
+            out += rows_of_item(unit, item, in_part)
+    return out
+
+
+def open_files(plan: Plan, *, restart: bool = False) -> dict:
+    """``{output path: ResultsFile}`` for every output of the plan (refusing, naming ``out``, a file that is not ours
+    or holds another configuration, before anything runs)."""
+    from .config import ConfigError
+    from .results import ResultsFile
+
+    files = {}
+    for o in plan.outputs:
+        try:
+            files[o.path] = ResultsFile(o.path, o.config, o.key, restart=restart)
+        except (ValueError, PermissionError) as exc:
+            raise ConfigError("out", str(exc)) from None
+    return files
+
+
+def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[str] = None,
+              files: Optional[dict] = None) -> dict:
+    """Run every pending unit of ``plan`` (and of its further stages) here, appending each part's rows to its
+    results file as it finishes; returns ``{output path: ResultsFile}``."""
+    k = kind(plan.kind)
+    files = dict(files or {})
+    while True:
+        fresh = [o for o in plan.outputs if o.path not in files]
+        files.update(open_files(Plan(plan.kind, plan.config, fresh, []), restart=restart))
+        todo = []
+        for u in plan.units:
+            rf = files[u.output]
+            p = u.pending(rf.done, rf.key_fields)
+            if p is not None:
+                todo.append(p)
+        total = sum(len(u.parts) for u in plan.units)
+        left = sum(len(u.parts) for u in todo)
+        if total and left < total:
+            tqdm.write(f"{', '.join(sorted({str(files[u.output].path) for u in plan.units}))}: {total - left} of "
+                       f"{total} batch results already there (an earlier run, or the results shipped with the repo); "
+                       + ("computing the rest" if todo else "nothing to compute, printing them")
+                       + "; --restart recomputes everything")
+        if todo:
+            bar = tqdm(total=total, initial=total - left, desc=desc or plan.kind, unit="batch")
+            try:
+                for u in todo:
+                    for rows in k.run_unit(model, tok, u):
+                        files[u.output].append(rows)
+                        bar.update(1)
+            finally:
+                bar.close()
+        if plan.then is None:
+            return files
+        plan = plan.then({path: rf.rows for path, rf in files.items()})
