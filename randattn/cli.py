@@ -14,6 +14,16 @@ from the repository root to read and write the shipped results.
 The probes and benchmarks are found, not listed here: every module of the ``probes`` / ``bench``
 package whose name does not start with ``_`` and that defines a top-level ``main`` function. Their
 sources are read, not imported, to list them, so ``randattn list`` stays fast.
+
+This module is the core's console script, but the probes, benchmarks and figures are the lab (``probes``,
+``bench``, ``figures``, with the ``lab`` extra's matplotlib, seaborn and math-verify), and the core imports
+nothing of the lab (tests/test_layers.py). So the lab is looked up by name at run time, as ``python -m`` does:
+``importlib.import_module(f"{package}.{name}")`` for the module a subcommand names, then its ``main(argv)``.
+No lab module is imported statically here, none at all for ``randattn --help``/``--version``/``calibrate``,
+and ``randattn list`` reads sources without importing them. Calling ``main(argv)`` in this process (not
+``runpy``) keeps a probe's exit status and a test's stand-in ``main`` working. Where the lab's packages are
+missing (``pip install randattn`` without ``[lab]``) the subcommand says so and which extra to install.
+The console script stays in the core so that ``randattn calibrate`` and ``randattn list`` need no extra.
 """
 
 from __future__ import annotations
@@ -31,11 +41,14 @@ __all__ = ["main", "runnable_modules"]
 
 PROG = "randattn"
 
-# subcommand -> (package, the python -m form, what one of its modules is called)
+# subcommand -> (package, the python -m form, what one of its modules is called): lab packages, named, never imported here
+# by an import statement.
 _GROUPS = {
     "probe": ("probes", "python -m probes.NAME", "probe"),
     "bench": ("bench", "python -m bench.NAME", "benchmark"),
 }
+# The import names of the `lab` extra's packages (pyproject.toml; tests/test_layers.py checks they agree).
+LAB_IMPORTS = ("matplotlib", "seaborn", "math_verify")
 _COMMANDS = {
     "probe": "run a probe: randattn probe NAME [ARGS...] = python -m probes.NAME [ARGS...]",
     "bench": "run a benchmark: randattn bench NAME [ARGS...] = python -m bench.NAME [ARGS...]",
@@ -61,7 +74,7 @@ def runnable_modules(package: str) -> dict[str, str]:
         pkg = importlib.import_module(package)
     except ImportError as exc:
         raise CLIError(f"the {package!r} package cannot be imported ({exc}); install randattn with it "
-                       f"(pip install -e . from the repository) or run from the repository root") from exc
+                       f"(pip install -e \".[lab]\" from the repository) or run from the repository root") from exc
     out = {}
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("_") or info.ispkg:
@@ -153,8 +166,23 @@ def _group(cmd: str, rest: list) -> int:
     if name not in known:
         raise CLIError(f"unknown {kind} {name!r}; known {kind}s: {', '.join(known) or '(none)'} "
                        f"(`{PROG} list` describes them)")
-    module = importlib.import_module(f"{package}.{name}")
-    return _run(module.main, args, f"{PROG} {cmd} {name}")
+    return _run_lab(f"{package}.{name}", args, f"{PROG} {cmd} {name}")
+
+
+def _run_lab(module: str, argv: list, prog: str) -> int:
+    """Import the lab module named ``module`` by name (see the module docstring) and run its ``main(argv)``.
+
+    A package of the ``lab`` extra that is missing, at the import or inside ``main`` (figures import their plotting
+    modules late), is a usage error naming the extra; anything else fails as with ``python -m``."""
+    try:
+        return _run(importlib.import_module(module).main, argv, prog)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in LAB_IMPORTS:
+            raise
+        raise CLIError(f"{module} needs {missing!r}, which is not installed: the probes, benchmarks and figures come "
+                       f"with the lab extra (pip install \"randattn[lab]\", or pip install -e \".[lab]\" in the "
+                       f"repository)") from exc
 
 
 def _list(rest: list) -> int:
@@ -181,9 +209,7 @@ def _module_doc(module: str) -> str:
 
 
 def _figures(rest: list) -> int:
-    from figures.__main__ import main as figures_main
-
-    return _run(figures_main, rest, f"{PROG} figures")
+    return _run_lab("figures.__main__", rest, f"{PROG} figures")
 
 
 def _calibrate(rest: list) -> int:
