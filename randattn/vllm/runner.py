@@ -1,5 +1,179 @@
-"""vLLM model-runner hook (work in progress: the engine part of issue 26)."""
+"""The hooks that put the eviction engine into vLLM 0.32 (installed by :func:`randattn.vllm.register`).
+
+- ``CPU_ATTN`` -> :class:`randattn.vllm.backend.EvictingCPUBackend` (``register_backend``; in every process, since
+  the worker builds the attention layers).
+- ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it): before vLLM builds the step's attention
+  metadata, :func:`randattn.vllm.state.plan_step` reads the batch (request ids in order, prompt lengths,
+  ``num_computed_tokens``, tokens scheduled, block-table rows) and rewrites ``seq_lens`` and ``slot_mapping`` to held
+  slots; the plan is what the backend follows during the forward. Warm-up/dummy runs (no scheduled requests) run
+  unplanned, i.e. as plain vLLM.
+- ``Attention.get_kv_cache_spec``: every attention layer reports the evicting KV-cache spec
+  (:func:`randattn.vllm.kv_cache.evicting_spec`), so the KV manager caps a request's blocks.
+- ``GPUModelRunner._update_states``: the finished requests' state is freed (keep-logs written).
+- ``InputProcessor.__init__`` (front end, before the engine core starts): the config is read and checked
+  (:func:`randattn.vllm.checks.configure`: the vLLM version, the engine settings, the plugin's scheduler) and the
+  policy refused when vLLM cannot give it what it needs; ``InputProcessor._validate_prompt_len``: a prompt that does
+  not fit ``T`` under protection is refused for that request alone (``VLLMValidationError``, a ``ValueError``, the
+  error vLLM gives any invalid prompt: ``LLM.generate`` raises before any request runs, an ``LLMEngine.add_request``
+  or a server request gets its own error while the others go on).
+
+Every hook is a no-op without a ``"randattn"`` section in ``additional_config``. The patches are version-pinned
+(:data:`randattn.vllm.checks.SUPPORTED_VLLM`): they wrap private methods, which another vLLM may change.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from typing import Optional
+
+from . import state
+from .config import read_config
+
+__all__ = ["install", "engine_config"]
+
+_INSTALLED = False
+_ATTR = "_randattn_cfg"
+
+
+def engine_config(vllm_config) -> Optional[object]:
+    """The plugin's :class:`~randattn.vllm.config.EngineConfig` for ``vllm_config`` (cached on it), or None."""
+    cached = getattr(vllm_config, "__dict__", {}).get(_ATTR, False)
+    if cached is not False:
+        return cached
+    cfg = read_config(getattr(vllm_config, "additional_config", None))
+    if cfg is not None:
+        problem = state.policy_problem(cfg)
+        if problem:
+            raise ValueError(f"randattn.vllm: {problem} (additional_config['randattn']['policy'])")
+        par = getattr(vllm_config, "parallel_config", None)
+        tp, pp = getattr(par, "tensor_parallel_size", 1), getattr(par, "pipeline_parallel_size", 1)
+        if tp != 1 or pp != 1:
+            raise ValueError(f"randattn.vllm runs on one device (tensor_parallel_size=1, pipeline_parallel_size=1), got "
+                             f"{tp} and {pp}: a rank holding a subset of the KV heads would draw for other heads than "
+                             "the HF engine; use one device")
+    try:
+        object.__setattr__(vllm_config, _ATTR, cfg)
+    except Exception:  # a config that takes no attributes: read it again next time
+        pass
+    return cfg
+
+
+def _hook_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    build = GPUModelRunner._build_attention_metadata
+    params = inspect.signature(build)
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        cfg = engine_config(self.vllm_config)
+        if cfg is None:
+            return build(self, *args, **kwargs)
+        bound = params.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        plan = None
+        if a.get("num_scheduled_tokens") and a.get("slot_mappings") is not None:
+            plan = _plan(self, cfg, a["num_reqs"], a["num_scheduled_tokens"], a["slot_mappings"])
+        state.set_current(plan)
+        return build(self, *args, **kwargs)
+
+    update = GPUModelRunner._update_states
+
+    def _update_states(self, scheduler_output):
+        if engine_config(self.vllm_config) is not None:
+            state.finish(scheduler_output.finished_req_ids)
+        return update(self, scheduler_output)
+
+    GPUModelRunner._build_attention_metadata = _build_attention_metadata
+    GPUModelRunner._update_states = _update_states
+
+
+def _plan(runner, cfg, num_reqs: int, scheduled: dict, slot_mappings: dict):
+    batch = runner.input_batch
+    req_ids = list(batch.req_ids[:num_reqs])
+    keys, prompt_lens, max_lens = [], [], []
+    for rid in req_ids:
+        req = runner.requests[rid]
+        extra = getattr(req.sampling_params, "extra_args", None) or {}
+        keys.append(extra.get(state.KEY_ARG, rid))
+        prompt_lens.append(req.num_prompt_tokens)
+        max_tokens = getattr(req.sampling_params, "max_tokens", None)
+        max_lens.append(None if max_tokens is None else req.num_prompt_tokens + max_tokens)
+    table = batch.block_table[0]
+    return state.plan_step(
+        cfg, req_ids=req_ids, computed=batch.num_computed_tokens_cpu[:num_reqs],
+        scheduled=[scheduled[rid] for rid in req_ids], prompt_lens=prompt_lens, keys=keys, max_lens=max_lens,
+        query_start=runner.query_start_loc.np[:num_reqs] if hasattr(runner.query_start_loc, "np")
+        else runner.query_start_loc.cpu[:num_reqs].numpy(),
+        block_rows=table.get_numpy_array()[:num_reqs], block_size=table.block_size,
+        num_layers=runner.model_config.get_num_layers(runner.parallel_config),
+        seq_lens=runner.seq_lens, slot_mapping=slot_mappings[0])
+
+
+def _hook_spec() -> None:
+    # vLLM 0.32 calls the backend's customize_spec for sliding-window layers only; a full-attention layer builds its
+    # FullAttentionSpec directly, so the evicting spec (randattn.vllm.kv_cache) is put in here, for every layer.
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from .kv_cache import evicting_spec
+
+    spec_of = Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = spec_of(self, vllm_config)
+        cfg = engine_config(vllm_config)
+        return spec if cfg is None or spec is None else evicting_spec(spec, cfg)
+
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _hook_front_end() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    init = InputProcessor.__init__
+    validate = InputProcessor._validate_prompt_len
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        init(self, vllm_config, *args, **kwargs)
+        from . import checks
+
+        if importlib.util.find_spec("randattn.vllm.scheduler") is None:
+            # Without the plugin's scheduler (randattn.vllm.scheduler) vLLM's own runs: the settings are still
+            # checked, and a chunk that crosses a round is refused by the step plan, never run differently.
+            if read_config(getattr(vllm_config, "additional_config", None)) is not None:
+                checks.check_engine(vllm_config)
+                engine_config(vllm_config)
+        elif checks.configure(vllm_config) is not None:
+            engine_config(vllm_config)  # the policy and parallel refusals, before the engine core starts
+
+    def _validate_prompt_len(self, prompt_len, prompt_type):
+        validate(self, prompt_len, prompt_type)
+        cfg = engine_config(self.vllm_config) if prompt_type == "decoder" else None
+        if cfg is not None:
+            problem = cfg.spec.validate(int(prompt_len))
+            if problem:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(f"randattn.vllm: this request's prompt does not fit: {problem} "
+                                          "(additional_config['randattn'])")
+
+    InputProcessor.__init__ = __init__
+    InputProcessor._validate_prompt_len = _validate_prompt_len
 
 
 def install() -> None:
-    raise NotImplementedError("randattn.vllm: the engine hooks are not written yet")
+    """Install the backend and the hooks (idempotent: vLLM may load plugins more than once per process)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from .kv_cache import register_spec
+
+    register_spec()  # the evicting KV-cache spec and its block-capping manager (randattn.vllm.kv_cache)
+    register_backend(AttentionBackendEnum.CPU_ATTN, "randattn.vllm.backend.EvictingCPUBackend")
+    _hook_runner()
+    _hook_spec()
+    _hook_front_end()
+    _INSTALLED = True

@@ -1,0 +1,236 @@
+"""Per-request eviction state in the vLLM worker, and the step plan the attention backend follows.
+
+One :class:`RequestState` per running request: its prompt length, its row key, and per layer the absolute position
+of every stored slot of every KV head, its round count and (for policies that read queries) the last ``w``
+post-RoPE queries. The rounds themselves are the HF engine's: each request owns a one-row
+:class:`randattn.EvictingCache` (never fed any keys) whose own ``view`` and ``_select_view`` score the candidates,
+apply prompt protection and select the keep-set, and whose :class:`KeepLog` records it. So a policy written for
+randattn runs here unchanged, with the same seeds (row key = the request key) and the same refusals.
+
+:func:`plan_step` (called by the runner hook once per step, before vLLM builds the attention metadata) turns
+vLLM's absolute bookkeeping into held slots: request ``i`` with ``c`` tokens computed and ``q`` scheduled writes
+its new pairs at held slots ``held(c) .. held(c) + q - 1`` of its own blocks and attends to ``held(c) + q`` pairs
+(``seq_lens``), while RoPE keeps the absolute positions ``c .. c + q - 1``. :func:`after_attention` (called by the
+backend after each layer's attention) then runs that layer's round for every request whose step ends on a round.
+
+Where a chunk may end: at a round, never past one (:func:`randattn.vllm.config.next_round_length`); a chunk that
+crosses a round is refused with ``RuntimeError`` (decode one token at a time would have evicted inside it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .config import EngineConfig, held_pairs, max_held_pairs, next_round_length
+
+__all__ = ["RequestState", "StepPlan", "plan_step", "after_attention", "finish", "current", "set_current",
+           "requests", "policy_problem", "KEY_ARG"]
+
+#: ``SamplingParams(extra_args={KEY_ARG: ...})``: the request key the draws are seeded by (else the request id).
+KEY_ARG = "randattn_key"
+
+_REQUESTS: dict[str, "RequestState"] = {}
+_CURRENT: Optional["StepPlan"] = None
+
+
+def policy_problem(cfg: EngineConfig) -> Optional[str]:
+    """Why the configured policy cannot run inside vLLM, or None."""
+    pol = cfg.spec.policy_object
+    needs = set(getattr(pol, "needs", ()))
+    if "attention" in needs:
+        return (f"policy {pol.name!r} needs the attention each pair received, accumulated over every step (H2O); "
+                "vLLM's attention kernel does not return its probabilities; use a score-free policy or a query-window "
+                "selector (snapkv, rkv)")
+    if getattr(pol, "scope", "layer") == "model":
+        return (f"policy {pol.name!r} scores all layers at once in one round (a keep-set shared by the layers); the "
+                "plugin runs each layer's round inside that layer's attention; use a per-layer policy")
+    if getattr(pol, "calibration", None):
+        return (f"policy {pol.name!r} needs per-model calibration statistics ({pol.calibration!r}) bound to an HF "
+                "model; the plugin cannot bind them to a vLLM model; use a policy without calibration")
+    unknown = needs - {"queries"}
+    if unknown:
+        return f"policy {pol.name!r} needs {sorted(unknown)}, which the plugin cannot give it"
+    return None
+
+
+@dataclass
+class _Layer:
+    positions: torch.Tensor  # [H_kv, capacity] int64: absolute position of every held slot
+    rounds: int = 0
+    queries: Optional[torch.Tensor] = None  # [1, H_q, <=w, D], the last w post-RoPE queries
+    query_positions: Optional[torch.Tensor] = None  # [<=w]
+
+
+@dataclass
+class RequestState:
+    """One request's eviction state (in the worker)."""
+
+    req_id: str
+    key: "int | str"
+    prompt_len: int
+    cfg: EngineConfig
+    cache: object  # a one-row EvictingCache: the policy, the selection and the keep-log of the HF engine
+    computed: int = 0  # tokens processed so far (vLLM's num_computed_tokens after the last planned step)
+    max_len: Optional[int] = None  # prompt + max_tokens, when known: the keep-log is written after its last forward
+    layers: dict = field(default_factory=dict)
+    logged: int = 0  # keep-log records already written
+
+    @classmethod
+    def new(cls, req_id: str, key, prompt_len: int, cfg: EngineConfig, max_len: Optional[int] = None):
+        cache = cfg.spec.make_cache(keep_log=cfg.keep_log_dir is not None, row_keys=[key], prompt_len=prompt_len)
+        return cls(req_id=req_id, key=key, prompt_len=int(prompt_len), cfg=cfg, cache=cache, max_len=max_len)
+
+    def save_keep_log(self) -> None:
+        """Write the keep-log to ``keep_log_dir/<key>.npz`` (when set and changed since the last write)."""
+        log, log_dir = self.cache.keep_log, self.cfg.keep_log_dir
+        if log_dir is None or log is None or (self.logged == len(log) and self.logged):
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        log.save(os.path.join(log_dir, _file_name(self.key) + ".npz"))
+        self.logged = len(log)
+
+    def layer(self, idx: int, heads: int, device) -> _Layer:
+        st = self.layers.get(idx)
+        if st is None:
+            cap = max_held_pairs(self.prompt_len, self.cfg)
+            st = self.layers[idx] = _Layer(positions=torch.full((heads, cap), -1, dtype=torch.long, device=device))
+        return st
+
+
+@dataclass
+class _Row:
+    req: RequestState
+    q_start: int  # first token of this request in the step's flattened batch
+    q: int  # tokens scheduled this step
+    abs_start: int  # absolute position of the first of them (num_computed_tokens)
+    slot_start: int  # held slot the first of them is written to
+    blocks: np.ndarray  # the request's block ids (its block-table row)
+    round_after: bool  # this step ends on a round
+    last: bool = False  # this step's forward is the request's last (prompt + max_tokens - 1 tokens in)
+
+
+@dataclass
+class StepPlan:
+    rows: list
+    block_size: int
+    num_layers: int
+
+
+def requests() -> dict:
+    """The live request states (read-only use: tests and the scheduler's accounting)."""
+    return _REQUESTS
+
+
+def current() -> Optional[StepPlan]:
+    return _CURRENT
+
+
+def set_current(plan: Optional[StepPlan]) -> None:
+    global _CURRENT
+    _CURRENT = plan
+
+
+def plan_step(cfg: EngineConfig, *, req_ids: list, computed: np.ndarray, scheduled: list, prompt_lens: list,
+              keys: list, max_lens: list, query_start: np.ndarray, block_rows: np.ndarray, block_size: int,
+              num_layers: int, seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
+    """Plan one step and rewrite vLLM's ``seq_lens[:n]`` and ``slot_mapping`` in place to held slots."""
+    rows = []
+    slots = []
+    for i, rid in enumerate(req_ids):
+        c, q, p = int(computed[i]), int(scheduled[i]), int(prompt_lens[i])
+        st = _REQUESTS.get(rid)
+        if st is None or c == 0:  # a new request, or one preempted and recomputed from its first token
+            st = _REQUESTS[rid] = RequestState.new(rid, keys[i], p, cfg, max_lens[i])
+        elif c != st.computed:
+            raise RuntimeError(
+                f"randattn.vllm: request {rid!r} resumes at token {c} but its eviction state is at {st.computed}; "
+                "only a recompute from the first token can rebuild evicted pairs (prefix caching or a KV connector "
+                "restoring blocks cannot): disable them")
+        end = next_round_length(p, c, cfg)
+        if c + q > end:
+            raise RuntimeError(
+                f"randattn.vllm: request {rid!r} got a chunk of {q} tokens from position {c}, which crosses the "
+                f"eviction round at length {end} (decoding one token at a time would evict there, inside the chunk); "
+                "a chunk must end at a round: use the plugin's scheduler (randattn.vllm.scheduler) or smaller "
+                "chunks (max_num_batched_tokens)")
+        start = held_pairs(p, c, cfg)
+        blocks = block_rows[i]
+        logical = np.arange(start, start + q)
+        slots.append(blocks[logical // block_size].astype(np.int64) * block_size + logical % block_size)
+        seq_lens[i] = start + q
+        rows.append(_Row(req=st, q_start=int(query_start[i]), q=q, abs_start=c, slot_start=start, blocks=blocks,
+                         round_after=(c + q == end), last=st.max_len is not None and c + q >= st.max_len - 1))
+        st.computed = c + q
+    if slots:
+        flat = np.concatenate(slots)
+        slot_mapping[: len(flat)].copy_(torch.from_numpy(flat).to(slot_mapping.dtype))
+    return StepPlan(rows=rows, block_size=block_size, num_layers=num_layers)
+
+
+def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: float, kv_heads: int,
+                    read: Callable, write: Callable) -> None:
+    """One layer's bookkeeping after its attention: record the new slots' positions, buffer queries, run rounds.
+
+    ``query``: ``[tokens, H_q, D]`` post-RoPE; ``read(blocks, n) -> (K, V)`` each ``[H_kv, n, D]``, the first
+    ``n`` held slots of a request; ``write(blocks, K, V)`` stores ``[H_kv, n, D]`` into its first ``n`` slots."""
+    for row in plan.rows:
+        st = row.req
+        cache = st.cache
+        lay = st.layer(layer_idx, kv_heads, query.device)
+        new_pos = torch.arange(row.abs_start, row.abs_start + row.q, device=lay.positions.device)
+        lay.positions[:, row.slot_start : row.slot_start + row.q] = new_pos
+        if cache.needs_queries:
+            q = query[row.q_start : row.q_start + row.q].transpose(0, 1)[None]  # [1, H_q, q, D]
+            w = cache.query_window
+            if lay.queries is None:
+                lay.queries, lay.query_positions = q[:, :, -w:].clone(), new_pos[-w:].clone()
+            else:
+                lay.queries = torch.cat([lay.queries, q], dim=2)[:, :, -w:].clone()
+                lay.query_positions = torch.cat([lay.query_positions, new_pos])[-w:].clone()
+        if row.round_after:
+            _round(row, lay, layer_idx, scale, read, write)
+        if row.last and layer_idx == plan.num_layers - 1:
+            # vLLM tells the worker a request finished only in the next step, which may never come: write now.
+            st.save_keep_log()
+
+
+def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable, write: Callable) -> None:
+    """The HF engine's round on one request's layer: score, protect, select, compact to T, log."""
+    st, cache = row.req, row.req.cache
+    n = row.slot_start + row.q
+    keys, values = read(row.blocks, n)
+    positions = lay.positions[:, :n]
+    # The cache's own view/selection read these attributes of a layer (see EvictingCache.view).
+    fake = SimpleNamespace(
+        layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], rounds=lay.rounds,
+        seq_len=row.abs_start + row.q, held=None, row_rounds=[], recent_queries=lay.queries,
+        recent_query_positions=lay.query_positions, scaling=float(scale), attention=None, physical_length=n)
+    view = cache.view(fake, rows=[0])
+    kept = cache._select_view(fake, view, [0])[0]  # [H_kv, T], sorted slot indices
+    idx = kept[..., None].expand(-1, -1, keys.shape[-1])
+    write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+    new_positions = torch.gather(positions, 1, kept)
+    lay.positions[:, : kept.shape[1]] = new_positions
+    lay.positions[:, kept.shape[1]:] = -1
+    if cache.keep_log is not None:
+        cache.keep_log.record(layer_idx, lay.rounds, row.abs_start + row.q, new_positions[None])
+    lay.rounds += 1
+
+
+def _file_name(key) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))[:200] or "request"
+
+
+def finish(req_ids) -> None:
+    """Free the state of finished requests (writing their keep-logs when ``keep_log_dir`` is set)."""
+    for rid in req_ids:
+        st = _REQUESTS.pop(rid, None)
+        if st is not None:
+            st.save_keep_log()
