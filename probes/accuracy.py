@@ -42,23 +42,21 @@ from typing import Optional
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 import randattn
 from analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
                                        warn_uncompressed)
 from analysis.files import write_text
-from randattn.spec import min_budget, prompt_fits_problem
 from randattn.stats import comparison_table
 
 from . import cli
-from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, option
+from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load, write_csv
-from .policy_specs import (bind_policies, calibration_options, check_policy, check_stats_used, native_protection,
-                           seed_free)
+from .policy_specs import bind_policies, calibration_options, native_protection, seed_free
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
 
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 
@@ -83,14 +81,18 @@ GRID_PROTECTION = {"random": True, "random-shared": True, "random-block": True, 
 
 # -- command line ---------------------------------------------------------------------------------
 @dataclass
-class Config(RunConfig):
+@eviction(policy=setting((FULL, *randattn.COMPARED_POLICIES),
+                         help=f"policies to run; '{FULL}' is full attention (no eviction)"),
+          budget=setting(None, several=True, help="T, one or several (a budget sweep); default: the task's, e.g. "
+                                                  "math500 1024"),
+          buffer=setting(None, help="r (default: the task's; 64 for the paper's tasks)"),
+          protect_prompt=setting(True, help="score only: the prompt competes with everything else (the same as "
+                                            "--protocol score-only)"),
+          stats=setting(None, help="TriAttention statistics file (default: the embedded model's)"))
+class Config(EvictionConfig):
     """Accuracy under eviction: generate, grade, compare with Random (``python -m probes.accuracy``)."""
 
     task: str = option("copy", "the task", choices=tuple(TASKS))
-    policy: tuple[str, ...] = option((FULL, *randattn.COMPARED_POLICIES), f"policies to run; '{FULL}' is full attention (no eviction)")
-    budget: Optional[tuple[int, ...]] = option(None, "T, one or several (a budget sweep); default: the task's, e.g. "
-                                                     "math500 1024", check=POSITIVE)
-    buffer: Optional[int] = option(None, "r (default: the task's; 64 for the paper's tasks)", check=POSITIVE)
     compression: Optional[tuple[float, ...]] = option(None, "set T = mean full-attention generation length / c for "
                                                             "each c (instead of --budget)", check=POSITIVE)
     runs: Optional[int] = option(None, "runs per problem (eviction seeds; sampling seeds too); default 3, or the "
@@ -102,8 +104,6 @@ class Config(RunConfig):
                                            "'matched' both ways (the paper's Table 2); 'grid' each baseline in its "
                                            "native mode against protected Random, sampling with the model card's "
                                            "settings and the paper's runs per task (its main grid)", choices=PROTOCOLS)
-    protect_prompt: bool = option(True, "score only: the prompt competes with everything else (the same as "
-                                        "--protocol score-only)")
     max_new_tokens: Optional[int] = option(None, "default: the task's (32768 for the paper's tasks)", check=POSITIVE)
     temperature: Optional[float] = option(None, "0 = greedy (default); > 0 samples; --protocol grid: the model card's "
                                                 "(generation config)", check=NONNEGATIVE)
@@ -115,16 +115,16 @@ class Config(RunConfig):
                                "on the batch (rows are written to a -packed results file)")
     policy_option: tuple[str, ...] = option((), "policy options, e.g. h2o:recent_fraction=0.25 snapkv:window=16 "
                                                 "(override the task's)", metavar="POLICY:KEY=VALUE")
-    stats: Optional[str] = option(None, "TriAttention statistics file (default: the embedded model's)")
     unsafe_code_grading: bool = option(False, "code tasks: run the generated programs without the bubblewrap "
                                               "sandbox, with resource limits alone (they can read, write and reach "
                                               "the network as you); only where bwrap cannot be installed")
     options: dict = option({}, "resolved policy options", cli=False)
 
+    def protection_of(self, policy: str) -> Optional[bool]:
+        return None  # the protocol decides each arm's protection (protocol_arms)
+
     def check(self) -> None:
-        for spec in self.policy:
-            if spec != FULL:
-                check_policy("policy", spec)
+        self.check_eviction()
         if self.compression is not None and self.budget is not None:
             raise ConfigError("compression", "--budget and --compression both set T; pass one of them")
         if not self.protect_prompt and self.protocol not in (None, "score-only"):
@@ -135,7 +135,6 @@ class Config(RunConfig):
         if self.top_p not in (None, 1.0) and (self.temperature == 0 or (self.temperature is None and self.protocol != "grid")):
             raise ConfigError("top_p", "applies only when sampling; greedy decoding (--temperature 0, the default "
                                        "here) ignores it: pass --temperature T > 0 too, or drop --top-p")
-        check_stats_used(self.stats, self.policy)
 
     def resolved(self, model=None) -> "Config":
         """The task's and the protocol's defaults filled in (runs, r, length, sampling, protocol, policy options)."""
@@ -310,32 +309,6 @@ def row_key(problem_id, run: int) -> str:
     return f"{problem_id}/run{run}"
 
 
-def run_arms(rf: ResultsFile, model, tok, task, problems, prompts, arms, args) -> None:
-    """Generate and grade every pending (arm, run, problem), appending rows as batches finish."""
-    work = pending_batches(arms, problems, prompts, lambda arm: runs_for(arm, args.runs, args.temperature), rf.done,
-                           args.batch, args.pack)
-    if not work:
-        return
-    bar = tqdm(total=sum(len(idx) for *_, idx in work), desc=f"accuracy: {task.name}", unit="gen")
-    score = defaultdict(list)
-    for arm, run, idx in work:
-        # Packed rows draw by their own key, so their seed must not name the batch's first problem either.
-        seed = batch_seed(args.seed, run, 0 if args.pack else idx[0])
-        keys = [row_key(problems[i].id, run) for i in idx] if args.pack else None
-        try:
-            outs = generate_batch(model, tok, [prompts[i] for i in idx], arm, seed=seed, args=args, stats=args.stats,
-                                  row_keys=keys)
-        except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
-            bar.close()
-            raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") from None
-        rows = [graded_row(task, problems[i], arm, run, seed, o, args.protocol) for i, o in zip(idx, outs)]
-        score[arm.label] += [r["grade"] for r in rows]
-        rf.append(rows)
-        bar.update(len(idx))
-        bar.set_postfix_str(f"{arm.label} K={arm.budget} acc={np.mean(score[arm.label]):.3f}")
-    bar.close()
-
-
 # -- compression sweep ----------------------------------------------------------------------------
 def sweep_budgets(rows: list[dict], factors: list[float]) -> tuple[float, dict[float, int]]:
     """Mean full-attention generation length over ``rows`` and ``{c: K = round(mean / c)}``."""
@@ -406,19 +379,26 @@ def protocol_arms(protocol: str, policies: list[str], budgets, compression: Opti
 
 
 def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
-    """T must exceed the recent window r, and a protected prompt needs T >= its length + 1 + r (the newest r pairs
-    are kept outside the selection); otherwise stop, naming the flag that set T."""
+    """Each arm's spec by the core's rules (T must exceed the recent window r) and the one prompt-fits rule
+    (:meth:`randattn.EvictionSpec.validate`: a protected prompt needs T >= its length + 1 + r); otherwise stop,
+    naming the flag that set T."""
     for arm in arms:
         name = "compression" if arm.compression else "budget"
         what = f"{arm.compression:g} (T={arm.budget})" if arm.compression else f"T={arm.budget}"
-        if arm.budget <= buffer:
+        try:
+            spec = randattn.EvictionSpec(arm.policy, arm.budget, buffer, protect_prompt=arm.protect)
+        except randattn.SpecError as exc:
+            if exc.field != "budget":
+                raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") \
+                    from None
             raise ConfigError(name, f"{what} must exceed the recent window r={buffer} (the newest r pairs are kept "
                                     f"untouched and T - r selected); use T > {buffer}, a smaller compression, or a "
-                                    "smaller --buffer")
-        if prompt_fits_problem(longest, budget=arm.budget, recent=buffer, protect=arm.protect):
+                                    "smaller --buffer") from None
+        problem = spec.validate(longest)
+        if problem:
             raise ConfigError(name, f"{what} cannot hold the protected {longest}-token prompt plus one slot beside the "
-                                    f"recent window of r={buffer}; use T >= {min_budget(longest, buffer)}, a smaller "
-                                    "compression, or --no-protect-prompt")
+                                    f"recent window of r={buffer}; use T >= {problem.need}, a smaller compression, "
+                                    "or --no-protect-prompt")
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -446,58 +426,137 @@ def results_config(model_name: str, task: str, args, *, thinking: bool, stats) -
             "stats": stats, "policy_options": args.options, **({"pack": True} if getattr(args, "pack", False) else {})}
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
-    """Generate and grade every pending (arm, run, problem); ``(resolved config, results file, this run's rows)``."""
+def _task(name: str, unsafe: bool):
+    """The task, its grader told whether code may run unsandboxed."""
+    task = get_task(name)
+    return replace(task, grade=partial(task.grade, unsafe=unsafe)) if task.kind == "code" else task
+
+
+def _problems(config: Config) -> list:
+    """The task's problems; a code task without its sandbox is refused first (before any model loads)."""
     task = get_task(config.task)
     if task.kind == "code":  # the programs run in a sandbox: refused before the model loads where it cannot
         why = None if config.unsafe_code_grading else code_sandbox_unavailable()
         if why:
             raise ConfigError("task", f"{task.name} runs the generated programs; {why}")
-        task = replace(task, grade=partial(task.grade, unsafe=config.unsafe_code_grading))
     try:
-        problems = load_problems(task, config.data, config.problems or task.problems)
+        return load_problems(task, config.data, config.problems or task.problems)
     except TaskDataError as exc:
         raise ConfigError("data", str(exc)) from None
-    raw, config = config, config.resolved()  # the task's defaults, checked before the model loads
-    model, tok = load(config, None if model is None else (model, tokenizer))
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """The accuracy run of ``config`` on ``model`` as units: one per batch of a fresh run (an arm, a run, problems of
+    equal prompt length, ``--batch`` at most; ``--pack``: of any length), each seeded by :func:`batch_seed`. With
+    ``--compression`` the policies' units are a second stage, planned from full attention's generation lengths."""
+    problems = _problems(config)
+    raw, config = config, config.resolved()
     if config.protocol == "grid" and raw.temperature is None:
         config = raw.resolved(model)  # the grid samples with the model card's settings
-    model_name = config.model or randattn.DEFAULT_MODEL
-    bind_policies("policy", [p for p in config.policy if p != FULL], model,
+    task = get_task(config.task)
+    bind_policies("policy", [p for p in config.policy if p != FULL], model.bind_target,
                   lambda pol: {**calibration_options(pol, config.stats), **config.options.get(pol, {})})
     # The statistics a calibrated policy uses: --stats, else the shipped file of the embedded model (recorded).
-    stats = config.stats or getattr(model, "_randattn_embedded", None)
-    prompts = [problem_ids(tok, prob) for prob in problems]
+    stats = config.stats or model.embedded
+    prompts = [problem_ids(model.tokenizer, prob) for prob in problems]
     longest = max(len(x) for x in prompts)
-    record = results_config(model_name, task.name, config, thinking=has_thinking_mode(tok), stats=stats)
-    record.update(run_record(model))
-    path = out_folder("accuracy", config.out) / default_name(model_name, task.name, config)
-    try:
-        rf = ResultsFile(path, record, KEY, restart=config.restart)
-    except (ValueError, PermissionError) as exc:
-        raise ConfigError("out", str(exc)) from None
-    ids = {prob.id for prob in problems}
-    print(f"model {model_name} | task {task.name}: {len(problems)} problems, prompts {min(map(len, prompts))}-{longest} "
-          f"tokens{', thinking mode' if record['thinking'] else ''} | r={config.buffer}, max {config.max_new_tokens} "
-          f"new tokens, {'greedy' if config.temperature == 0 else f'T={config.temperature}, top-p {config.top_p}'}, "
-          f"{config.runs} runs | protocol {config.protocol}"
-          + (f" | policy options {config.options}" if config.options else ""))
+    record = results_config(model.name, task.name, config, thinking=has_thinking_mode(model.tokenizer), stats=stats)
+    record.update(run_record(model.model))
+    path = out_folder("accuracy", config.out) / default_name(model.name, task.name, config)
+    output = Output(str(path), record, KEY, meta={"task": task.name, "seed": config.seed, "runs": config.runs,
+                                                   "problems": [p.id for p in problems]})
+    describe = (f"model {model.name} | task {task.name}: {len(problems)} problems, prompts "
+                f"{min(map(len, prompts))}-{longest} tokens{', thinking mode' if record['thinking'] else ''} | "
+                f"r={config.buffer}, max {config.max_new_tokens} new tokens, "
+                f"{'greedy' if config.temperature == 0 else f'T={config.temperature}, top-p {config.top_p}'}, "
+                f"{config.runs} runs | protocol {config.protocol}"
+                + (f" | policy options {config.options}" if config.options else ""))
     policies = [x for x in config.policy if x != FULL]
-    budgets = config.budget or (task.budget,)
-    arms = []
+
+    def units(arms):
+        return arm_units(config, model.name, output, task, problems, prompts, arms)
+
+    full = units([Arm(FULL, None, None)]) if config.compression is not None or FULL in config.policy else []
+    meta = {"describe": describe, "problems": problems}
     if config.compression is None:
-        arms = protocol_arms(config.protocol, policies, dict.fromkeys(budgets))
+        arms = protocol_arms(config.protocol, policies, dict.fromkeys(config.budget or (task.budget,)))
         check_prompt_fits(arms, longest, config.buffer)
-    if config.compression is not None or FULL in config.policy:
-        run_arms(rf, model, tok, task, problems, prompts, [Arm(FULL, None, None)], config)
-    if config.compression is not None:
-        mean_len, sweep = sweep_budgets([r for r in rf.rows if r["problem"] in ids], list(config.compression))
+        return Plan("accuracy", config, [output], full + units(arms), meta=meta)
+
+    def swept(rows: dict) -> Plan:
+        ids = {p.id for p in problems}
+        mean_len, sweep = sweep_budgets([r for r in rows[output.path] if r["problem"] in ids], list(config.compression))
         print(f"full attention: mean generation length {mean_len:.1f} tokens -> "
               + ", ".join(f"{c:g}x: T={k}" for c, k in sweep.items()))
         firsts = {k: c for c, k in reversed(list(sweep.items()))}  # two factors rounding to one T run once
         arms = protocol_arms(config.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
         check_prompt_fits(arms, longest, config.buffer)
-    run_arms(rf, model, tok, task, problems, prompts, arms, config)
+        return Plan("accuracy", config, [output], units(arms), meta=meta)
+
+    return Plan("accuracy", config, [output], full, then=swept, meta=meta)
+
+
+def arm_units(config: Config, model_name: str, output: Output, task, problems, prompts, arms) -> list[Unit]:
+    """The batches a fresh run generates for ``arms`` (``config`` resolved)."""
+    gen = Generation.of(config)
+    out = []
+    for arm, run, idx in pending_batches(arms, problems, prompts, lambda a: runs_for(a, config.runs, config.temperature),
+                                         set(), config.batch, config.pack):
+        # Packed rows draw by their own key, so their seed must not name the batch's first problem either.
+        seed = batch_seed(config.seed, run, 0 if config.pack else idx[0])
+        work = {"task": task.name, "unsafe": config.unsafe_code_grading, "problems": [problems[i] for i in idx],
+                "prompts": [prompts[i] for i in idx], "arm": arm, "run": run, "seed": seed, "gen": gen,
+                "stats": config.stats, "protocol": config.protocol,
+                "row_keys": [row_key(problems[i].id, run) for i in idx] if config.pack else None}
+        out.append(make_unit("accuracy", model_name, output,
+                             {"policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect},
+                             [{"problem": problems[i].id, "run": run} for i in idx], work, salt=seed,
+                             label=f"{arm.label} K={arm.budget} run {run}"))
+    return out
+
+
+def run_unit(model, tok, unit: Unit):
+    """Generate and grade one batch: yields its rows."""
+    w = unit.work
+    arm = w["arm"]
+    try:
+        outs = generate_batch(model, tok, w["prompts"], arm, seed=w["seed"], args=w["gen"], stats=w["stats"],
+                              row_keys=w["row_keys"])
+    except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
+        raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") from None
+    task = _task(w["task"], w["unsafe"])
+    yield [graded_row(task, prob, arm, w["run"], w["seed"], o, w["protocol"]) for prob, o in zip(w["problems"], outs)]
+
+
+def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
+    """The files a single-machine run writes beside its rows (summary CSV, comparison tables, figure), from the rows
+    of the plan's output; prints its summary. Returns the files."""
+    (o,) = plan.outputs
+    path, rows = Path(o.path), rows[o.path]
+    table = summarize(rows, seed=o.meta["seed"])
+    gains = protection_gains(rows, seed=o.meta["seed"])
+    print(f"\n== {path}")
+    print_summary(table, gains, o.config.get("protocol"))
+    paths = [path, *write_outputs(path, rows, table, gains, o.meta["task"]).values()]
+    warning = warn_uncompressed(table)
+    if warning:
+        print(warning)
+    if figures:
+        paths += cli.draw("accuracy", path, plan.config.figure_dir, "--name", path.stem, "--problems",
+                          ",".join(o.meta["problems"]), "--runs", str(o.meta["runs"]))
+    return paths
+
+
+def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
+    """Generate and grade every pending (arm, run, problem) here (the local backend over :func:`plan`'s units);
+    ``(resolved config, results file, this run's rows)``."""
+    _problems(config)  # a bad task or data file is refused before the model loads
+    model, tok = load(config.resolved(), None if model is None else (model, tokenizer))
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    print(p.meta["describe"])
+    files = run_local(p, model, tok, restart=config.restart, desc=f"accuracy: {config.task}")
+    config, (rf,) = p.config, files.values()
+    ids = {prob.id for prob in p.meta["problems"]}
     return config, rf, [r for r in rf.rows if r["problem"] in ids and r["run"] < config.runs]
 
 
@@ -527,6 +586,8 @@ def report(config: Config, rf: ResultsFile, rows: list[dict], *, figure_name: Op
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("accuracy", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())
