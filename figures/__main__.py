@@ -18,37 +18,30 @@ import sys
 from pathlib import Path
 
 from analysis.files import DiskFull, NotOurs, check_ours
+from analysis.names import shipped_name
 from analysis.rows import read_json, read_rows, read_table
 from analysis.shipped import shipped_result
 
 # figure name -> (module:function, how its input is read, the result it draws by default, the command that makes it)
 FIGURES = {
-    "head_pooling": ("figures.head_pooling:plot", read_rows,
-                     "head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl", "python -m probes.head_pooling"),
-    "scatter": ("figures.scatter:plot", read_rows, "scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl",
-                "python -m probes.scatter"),
-    "two_facts": ("figures.two_facts:plot", read_rows, "two_facts/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl",
-                  "python -m probes.two_facts"),
-    "blocks": ("figures.blocks:plot", read_table, "blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv",
-               "python -m probes.blocks"),
-    "passcode": ("figures.passcode:plot", read_table, "passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv",
-                 "python -m probes.passcode"),
-    "survival": ("figures.survival:plot", read_rows, "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl",
-                 "python -m probes.survival"),
-    "prompt_protection": ("figures.prompt_protection:plot", read_table,
-                          "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv",
+    "head_pooling": ("figures.head_pooling:plot", read_rows, shipped_name("head_pooling"),
+                     "python -m probes.head_pooling"),
+    "scatter": ("figures.scatter:plot", read_rows, shipped_name("scatter"), "python -m probes.scatter"),
+    "two_facts": ("figures.two_facts:plot", read_rows, shipped_name("two_facts"), "python -m probes.two_facts"),
+    "blocks": ("figures.blocks:plot", read_table, shipped_name("blocks", "summary"), "python -m probes.blocks"),
+    "passcode": ("figures.passcode:plot", read_table, shipped_name("passcode", "summary"), "python -m probes.passcode"),
+    "survival": ("figures.survival:plot", read_rows, shipped_name("survival"), "python -m probes.survival"),
+    "prompt_protection": ("figures.prompt_protection:plot", read_table, shipped_name("prompt_protection", "summary"),
                           "python -m probes.prompt_protection"),
-    "shared_draw": ("figures.shared_draw:plot", read_table, "shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv",
+    "shared_draw": ("figures.shared_draw:plot", read_table, shipped_name("shared_draw", "summary"),
                     "python -m probes.shared_draw"),
-    "accuracy": ("figures.accuracy:plot", read_rows, "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl",
-                 "python -m probes.accuracy"),
-    "accuracy_repeat": ("figures.accuracy:plot", read_rows, "accuracy/smollm2-135m-repeat-r8-n1664-s0.jsonl",
+    "accuracy": ("figures.accuracy:plot", read_rows, shipped_name("accuracy"), "python -m probes.accuracy"),
+    "accuracy_repeat": ("figures.accuracy:plot", read_rows, shipped_name("accuracy_repeat"),
                         "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
                         "triattention vase --runs 1"),
-    "challenge": ("figures.challenge:plot", read_table,
-                  "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick/verdict.csv",
+    "challenge": ("figures.challenge:plot", read_table, shipped_name("challenge", "folder") + "/verdict.csv",
                   "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick"),
-    "autopsy": ("figures.autopsy:plot", read_rows, "autopsy/smollm2-135m-copy-snapkv-protected-K256-r16-s0.jsonl",
+    "autopsy": ("figures.autopsy:plot", read_rows, shipped_name("autopsy"),
                 "python -m probes.autopsy --task copy --policy random snapkv --max-replays 8"),
     "bench_decode": ("figures.bench:plot_decode", read_json, "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", read_json, "bench/round_cost.json",

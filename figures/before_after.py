@@ -89,19 +89,14 @@ def _pick(rows, **match) -> dict:
 
 
 def table() -> list[str]:
+    from analysis.names import shipped_name
     from figures import table_io as t
 
-    new = {
-        "head_pooling": t.read_csv("head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"),
-        "scatter": t.read_csv("scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"),
-        "blocks": t.read_csv("blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv"),
-        "passcode": t.read_csv("passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv"),
-        "prompt_protection": t.read_csv("prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv"),
-        "shared_draw": t.read_csv("shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv"),
-        "survival": _survival_summary(t.read_jsonl("survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl")),
-    }
+    new = {k: t.read_csv(shipped_name(k, "summary"))
+           for k in ("head_pooling", "scatter", "blocks", "passcode", "prompt_protection", "shared_draw")}
+    new["survival"] = _survival_summary(t.read_jsonl(shipped_name("survival")))
     old = {k: _old(f"{k}.summary.csv") for k in new}
-    acc_new = t.result_path("accuracy/smollm2-135m-copy-r16-n192-s0.jsonl").with_suffix(".table.csv")
+    acc_new = t.result_path(shipped_name("accuracy", "table"))
     with open(acc_new, newline="") as f:
         new["accuracy"] = list(csv.DictReader(f))
     old["accuracy"] = _old("accuracy.table.csv")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from analysis.files import replacing
+from analysis.names import shipped_name
 
 from figures.table_io import bench_footer, ci, f, footer, markdown, read_csv, read_json, read_jsonl, result_path
 
@@ -48,23 +49,23 @@ def _planted_cells(r: dict) -> list[str]:
 
 
 def head_pooling() -> list[str]:
-    rel = "head_pooling/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rel = shipped_name("head_pooling", "summary")
     rows = read_csv(rel)
     body = markdown(["fact kept in"] + PLANTED_COLUMNS, [[_condition(r["condition"])] + _planted_cells(r) for r in rows])
-    return body + ["", footer(rel, "python -m probes.head_pooling", rel.replace(".summary.csv", ".jsonl"))]
+    return body + ["", footer(rel, "python -m probes.head_pooling", shipped_name("head_pooling"))]
 
 
 def scatter() -> list[str]:
-    rel = "scatter/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rel = shipped_name("scatter", "summary")
     rows = read_csv(rel)
     body = markdown(["condition", "Retrieval [95% CI]", "Recall R [95% CI]", "mean LP"],
                     [[_condition(r["condition"]), ci(r, "retrieval"), ci(r, "recall"), f(r["mean_lp"], 2)]
                      for r in rows])
-    return body + ["", footer(rel, "python -m probes.scatter", rel.replace(".summary.csv", ".jsonl"))]
+    return body + ["", footer(rel, "python -m probes.scatter", shipped_name("scatter"))]
 
 
 def two_facts() -> list[str]:
-    rel = "two_facts/smollm2-135m-random-K256-r16-d384-s0-score-only.summary.csv"
+    rel = shipped_name("two_facts", "summary")
     rows = read_csv(rel)
     single = [r for r in rows if r["answer"] in ("x", "y") and "+" not in r["condition"]]
     body = markdown(["answer", "condition", "Retrieval [95% CI]", "Recall R [95% CI]"],
@@ -72,52 +73,49 @@ def two_facts() -> list[str]:
     pairs = [r for r in rows if r["answer"] == "x and y" and " - " in r["condition"]]
     body += ["", "Superadditivity of both answers together, `R_xy(x@a+y@b) − R_xy(x@a) − R_xy(y@b)`:", ""]
     body += markdown(["pair", "difference [95% CI]"], [[r["condition"], ci(r, "recall", signed=True)] for r in pairs])
-    return body + ["", footer(rel, "python -m probes.two_facts", rel.replace(".summary.csv", ".jsonl"))]
+    return body + ["", footer(rel, "python -m probes.two_facts", shipped_name("two_facts"))]
 
 
 def blocks() -> list[str]:
-    rel = "blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv"
+    rel = shipped_name("blocks", "summary")
     rows = read_csv(rel)
     body = markdown(["block", "blocks per head", "Δ next-token loss vs full [95% CI]", "Recall R of a fact left to it",
                      "Retrieval"],
                     [[r["block"], f(r["blocks_per_head"], 0), ci(r, "delta_nll"), ci(r, "recall"), ci(r, "retrieval")]
                      for r in rows])
-    return body + ["", footer(rel, "python -m probes.blocks",
-                              "blocks/smollm2-135m-random-block-block1-K256-r16-d384-s0-score-only.jsonl")]
+    return body + ["", footer(rel, "python -m probes.blocks", shipped_name("blocks"))]
 
 
 def shared_draw() -> list[str]:
-    rel = "shared_draw/summary-smollm2-135m-K256-r16-s0-score-only.csv"
+    rel = shipped_name("shared_draw", "summary")
     rows = read_csv(rel)
     body = markdown(["measure", "policy", "n", "value [95% CI]"],
                     [[r["measure"], r["policy"], r["n"], ci(r, "value", signed=" - " in r["policy"])] for r in rows])
-    return body + ["", footer(rel, "python -m probes.shared_draw",
-                              "shared_draw/smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl")]
+    return body + ["", footer(rel, "python -m probes.shared_draw", shipped_name("shared_draw"))]
 
 
 def passcode() -> list[str]:
-    rel = "passcode/summary-smollm2-135m-K256-r16-n57-s0-protected.csv"
+    rel = shipped_name("passcode", "summary")
     rows = read_csv(rel)
     body = markdown(["policy", "Retrieval [95% CI]", "mean LP [95% CI]", "LP vs Random [95% CI]"],
                     [[r["policy"], ci(r, "retrieval"), ci(r, "mean_lp", 2), ci(r, "lp_vs_random", 2, signed=True)]
                      for r in rows])
-    return body + ["", footer(rel, "python -m probes.passcode",
-                              "passcode/smollm2-135m-random-K256-r16-d917-s0-protected.jsonl")]
+    return body + ["", footer(rel, "python -m probes.passcode", shipped_name("passcode"))]
 
 
 def prompt_protection() -> list[str]:
-    rel = "prompt_protection/smollm2-135m-K256-r16-b512-s0.summary.csv"
+    rel = shipped_name("prompt_protection", "summary")
     rows = read_csv(rel)
     body = markdown(["policy", "digits recalled, score only", "protected", "gain [95% CI]", "LP gain [95% CI]"],
                     [[r["policy"], f(r["digit_acc_score_only"]), f(r["digit_acc_protected"]),
                       ci(r, "gain", signed=True), ci(r, "lp_gain", 2, signed=True)] for r in rows])
-    return body + ["", footer(rel, "python -m probes.prompt_protection", rel.replace(".summary.csv", ".jsonl"))]
+    return body + ["", footer(rel, "python -m probes.prompt_protection", shipped_name("prompt_protection"))]
 
 
 def survival() -> list[str]:
     from analysis.survival import mean_deficit, pool
 
-    rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
+    rel = shipped_name("survival")
     pooled = pool(read_jsonl(rel))
     out = []
     for p in pooled.values():
@@ -134,7 +132,7 @@ def survival() -> list[str]:
 def survival_random() -> list[str]:
     from analysis.survival import pool
 
-    rel = "survival/smollm2-135m-K256-r16-n24-seq4-b4-s0.jsonl"
+    rel = shipped_name("survival")
     pooled = pool(read_jsonl(rel))
     out = []
     for mode in ("protected", "score-only"):
@@ -156,7 +154,7 @@ def survival_random() -> list[str]:
 
 
 def accuracy() -> list[str]:
-    rel = "accuracy/smollm2-135m-copy-r16-n192-s0.jsonl"
+    rel = shipped_name("accuracy")
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     protocols = sorted({str(r.get("protocol")) for r in read_jsonl(rel)})
     return table + ["", f"Protocols in the file: {', '.join(protocols)}. "
@@ -167,7 +165,7 @@ def accuracy() -> list[str]:
 def accuracy_repeat() -> list[str]:
     from analysis.repeat import DEGENERATE, copies, fidelity
 
-    rel = "accuracy/smollm2-135m-repeat-r8-n1664-s0.jsonl"
+    rel = shipped_name("accuracy_repeat")
     rows = read_jsonl(rel)
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     sweep = sorted({(r["budget"], r["compression"]) for r in rows if r.get("compression")}, reverse=True)
@@ -194,7 +192,7 @@ def accuracy_repeat() -> list[str]:
 
 
 def prompt_budget() -> list[str]:
-    rel = "accuracy_prompt_budget/smollm2-135m-copy-r16-n192-s0.jsonl"
+    rel = shipped_name("accuracy_prompt_budget")
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     return table + ["", footer(rel, "python -m probes.accuracy --policy full random snapkv random-pcap random-pmix "
                                     "--policy-option random-pcap:cap=64 random-pmix:small=64 --budget 256 "
@@ -202,7 +200,7 @@ def prompt_budget() -> list[str]:
 
 
 def challenge() -> list[str]:
-    folder = "challenge/attention_selector.recent_attention-smollm2-135m-K256-r16-quick"
+    folder = shipped_name("challenge", "folder")
     rows = read_csv(f"{folder}/verdict.csv")
     body = markdown(["test", "metric", "n", "selector", "Random", "difference [95% CI]", "p (bootstrap)", "verdict"],
                     [[r["test"], r["metric"], r["n"], f(r["value"]), f(r["random"]), ci(r, "delta", signed=True),
@@ -216,7 +214,7 @@ def challenge() -> list[str]:
 def autopsy() -> list[str]:
     out, sources = [], []
     for task in ("copy", "recall"):
-        rel = f"autopsy/summary-smollm2-135m-{task}-K256-r16-s0.csv"
+        rel = shipped_name("autopsy", "summary", task=task)
         if not result_path(rel).exists():
             continue
         sources.append((task, rel))
@@ -229,7 +227,7 @@ def autopsy() -> list[str]:
                      "sufficient span in prompt / recent / middle", "necessary span in prompt / recent / middle",
                      "grade, full", "grade, evicted"], out)
     return body + [""] + [footer(rel, f"python -m probes.autopsy --task {task} --policy random snapkv --max-replays 8",
-                                 f"autopsy/smollm2-135m-{task}-random-protected-K256-r16-s0.jsonl")
+                                 shipped_name("autopsy", task=task, policy="random"))
                           for task, rel in sources]
 
 

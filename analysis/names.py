@@ -1,0 +1,207 @@
+"""Result file names: how each probe names the files it writes, defined once, for the probes that write them and for
+``figures`` and ``figures.tables``, which find them (figures may not import probes; both may import this package).
+
+    result_name("head_pooling", record)               # 'smollm2-135m-random-K256-r16-d384-s0-score-only.jsonl'
+    result_name("passcode", record, "summary")        # 'summary-smollm2-135m-K256-r16-n57-s0-protected.csv'
+    result_name("autopsy", model=m, task="copy", policy="random", protect_prompt=True, budget=256, buffer=16, seed=0)
+    shipped_name("blocks", "summary")                 # 'blocks/summary-smollm2-135m-K256-r16-d384-s0-score-only.csv'
+
+A name is a function of the run's configuration as the probe records it (the ``config`` of each of its rows, a
+mapping) or of any object with those attributes (a probe's ``Config``), with keyword fields taking precedence
+(``model=...`` where the configuration holds none, or a per-file ``policy``). The fields are the record's:
+``model`` (its last path part), ``policy``, ``policy_options``, ``budget`` (T), ``buffer`` (r), ``distance``,
+``seed``, ``protect_prompt``, and per probe ``task``, ``rounds``, ``sequences``, ``batch``, ``body``, ``length``,
+``max_new_tokens``, ``temperature``, ``top_p``, ``pack``, ``quick``. Every shipped rows file is named by its own
+recorded configuration (tests/test_result_names.py).
+
+:data:`SHIPPED` holds the configurations of the results shipped under ``data/results`` (the runs the docs report)
+and :func:`shipped_name` their paths relative to that folder: the figures' and tables' default inputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+__all__ = ["result_name", "shipped_name", "summary_beside", "policy_slug", "protection_tag", "PARTS", "SHIPPED"]
+
+
+def protection_tag(protect_prompt: bool) -> str:
+    """The one spelling of prompt protection in file names and tables: ``protected`` or ``score-only``."""
+    return "protected" if protect_prompt else "score-only"
+
+
+def policy_slug(name: str) -> str:
+    """A file-name-safe policy name: ``my_selector:score`` -> ``my_selector.score``, ``dir/sel.py:f`` -> ``sel.f``."""
+    where, sep, attr = name.rpartition(":")
+    if sep:
+        name = f"{Path(where).stem if where.endswith('.py') else where}.{attr}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def summary_beside(rows_name: str, instances: Optional[int] = None) -> str:
+    """The summary table written beside a rows file: ``<rows stem>.summary.csv``, or ``<rows stem>.n<N>.summary.csv``
+    for a run that covered only the first N instances of its file (so it never overwrites the full summary)."""
+    stem = rows_name[: -len(".jsonl")] if rows_name.endswith(".jsonl") else Path(rows_name).stem
+    return stem + ("" if instances is None else f".n{instances}") + ".summary.csv"
+
+
+class _Fields:
+    """The configuration's fields: keywords first, then the mapping's keys or the object's attributes."""
+
+    def __init__(self, config: Any, fields: dict):
+        self.config, self.fields = config, fields
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.fields:
+            return self.fields[name]
+        if isinstance(self.config, Mapping):
+            if name in self.config:
+                return self.config[name]
+        elif self.config is not None and hasattr(self.config, name):
+            return getattr(self.config, name)
+        raise KeyError(f"a result name needs the field {name!r}, which the configuration does not hold; pass "
+                       f"{name}=...")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    @property
+    def model(self) -> str:
+        return Path(str(self["model"])).name.replace("/", "_")
+
+    @property
+    def tag(self) -> str:
+        return protection_tag(self["protect_prompt"])
+
+
+# -- one function per file a probe writes -------------------------------------------------------------------------
+def _planted(c: _Fields) -> str:
+    """A planted-fact probe's rows (head_pooling, scatter, two_facts, blocks, shared_draw, passcode, the challenge)."""
+    extra = "".join(f"-{k}{v}" for k, v in (c.get("policy_options") or {}).items())
+    return (f"{c.model}-{policy_slug(c['policy'])}{extra}-K{c['budget']}-r{c['buffer']}-d{c['distance']}"
+            f"-s{c['seed']}-{c.tag}.jsonl")
+
+
+def _planted_summary(c: _Fields) -> str:
+    return summary_beside(_planted(c))
+
+
+def _nll(c: _Fields) -> str:
+    """The next-token loss rows of blocks and shared_draw."""
+    return f"nll-{c.model}-K{c['budget']}-r{c['buffer']}-L{c['length']}-s{c['seed']}-{c.tag}.jsonl"
+
+
+def _blocks_summary(c: _Fields) -> str:
+    return f"summary-{c.model}-K{c['budget']}-r{c['buffer']}-d{c['distance']}-s{c['seed']}-{c.tag}.csv"
+
+
+def _shared_draw_summary(c: _Fields) -> str:
+    return f"summary-{c.model}-K{c['budget']}-r{c['buffer']}-s{c['seed']}-{c.tag}.csv"
+
+
+def _passcode_group(c: _Fields) -> str:
+    """What identifies a passcode run: its summary's name, and the folder a grid gives each passcode run."""
+    return f"{c.model}-K{c['budget']}-r{c['buffer']}-n{c['rounds']}-s{c['seed']}-{c.tag}"
+
+
+def _passcode_summary(c: _Fields) -> str:
+    return f"summary-{_passcode_group(c)}.csv"
+
+
+def _prompt_protection(c: _Fields) -> str:
+    return f"{c.model}-K{c['budget']}-r{c['buffer']}-b{c['body']}-s{c['seed']}.jsonl"
+
+
+def _survival(c: _Fields) -> str:
+    return (f"{c.model}-K{c['budget']}-r{c['buffer']}-n{c['rounds']}-seq{c['sequences']}-b{c['batch']}"
+            f"-s{c['seed']}.jsonl")
+
+
+def _accuracy(c: _Fields) -> str:
+    temperature = c.get("temperature") or 0
+    sampling = f"-T{temperature:g}-p{c['top_p']:g}" if temperature > 0 else ""
+    packed = "-packed" if c.get("pack", False) else ""
+    return f"{c.model}-{c['task']}-r{c['buffer']}-n{c['max_new_tokens']}{sampling}{packed}-s{c['seed']}.jsonl"
+
+
+def _beside(rows: Callable[[_Fields], str], suffix: str) -> Callable[[_Fields], str]:
+    return lambda c: rows(c)[: -len(".jsonl")] + suffix
+
+
+def _autopsy(c: _Fields) -> str:
+    return (f"{c.model}-{c['task']}-{policy_slug(c['policy'])}-{c.tag}-K{c['budget']}-r{c['buffer']}"
+            f"-s{c['seed']}.jsonl")
+
+
+def _autopsy_summary(c: _Fields) -> str:
+    return f"summary-{c.model}-{c['task']}-K{c['budget']}-r{c['buffer']}-s{c['seed']}.csv"
+
+
+def _challenge(c: _Fields) -> str:
+    """The challenge's output folder (every file of one challenge run is inside it)."""
+    tags = ("" if c["protect_prompt"] else "-score-only") + ("-quick" if c.get("quick", False) else "")
+    return f"{policy_slug(c['policy'])}-{c.model}-K{c['budget']}-r{c['buffer']}{tags}"
+
+
+_PLANTED = {"rows": _planted, "summary": _planted_summary}
+#: probe -> {part: name function}: every file name a probe composes from its configuration.
+PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
+    "head_pooling": _PLANTED, "scatter": _PLANTED, "two_facts": _PLANTED, "challenge_planted": _PLANTED,
+    "blocks": {"rows": _planted, "summary": _blocks_summary, "nll": _nll},
+    "shared_draw": {"rows": _planted, "summary": _shared_draw_summary, "nll": _nll},
+    "passcode": {"rows": _planted, "summary": _passcode_summary, "group": _passcode_group},
+    "prompt_protection": {"rows": _prompt_protection, "summary": _beside(_prompt_protection, ".summary.csv")},
+    "survival": {"rows": _survival},
+    "accuracy": {"rows": _accuracy, **{part: _beside(_accuracy, f".{part}.csv")
+                                       for part in ("summary", "protection", "table")}},
+    "autopsy": {"rows": _autopsy, "summary": _autopsy_summary},
+    "challenge": {"folder": _challenge},
+}
+
+
+def result_name(probe: str, config: Any = None, part: str = "rows", **fields: Any) -> str:
+    """The name (no folder) of the file ``probe`` writes as ``part`` (``rows``, ``summary``, ...; see :data:`PARTS`)
+    for the run ``config`` (a recorded configuration, or a probe's ``Config``), ``fields`` taking precedence."""
+    try:
+        parts = PARTS[probe]
+    except KeyError:
+        raise ValueError(f"no result names for the probe {probe!r}; known: {', '.join(PARTS)}") from None
+    if part not in parts:
+        raise ValueError(f"the probe {probe!r} writes no {part!r} file; its parts: {', '.join(parts)}")
+    return parts[part](_Fields(config, fields))
+
+
+_EMBEDDED = {"model": "smollm2-135m", "budget": 256, "buffer": 16, "seed": 0}
+_PLANTED_RUN = {**_EMBEDDED, "policy": "random", "policy_options": {}, "distance": 384, "protect_prompt": False}
+_COPY = {**_EMBEDDED, "task": "copy", "max_new_tokens": 192, "temperature": 0.0, "top_p": 1.0}
+#: name -> (folder under data/results, probe, recorded configuration): the results shipped with the package.
+SHIPPED: dict[str, tuple[str, str, dict]] = {
+    "head_pooling": ("head_pooling", "head_pooling", _PLANTED_RUN),
+    "scatter": ("scatter", "scatter", _PLANTED_RUN),
+    "two_facts": ("two_facts", "two_facts", _PLANTED_RUN),
+    "blocks": ("blocks", "blocks", {**_PLANTED_RUN, "policy": "random-block", "policy_options": {"block": 1},
+                                    "length": 1024}),
+    "shared_draw": ("shared_draw", "shared_draw", {**_PLANTED_RUN, "length": 1024}),
+    "passcode": ("passcode", "passcode", {**_PLANTED_RUN, "distance": 917, "rounds": 57, "protect_prompt": True}),
+    "prompt_protection": ("prompt_protection", "prompt_protection", {**_EMBEDDED, "body": 512}),
+    "survival": ("survival", "survival", {**_EMBEDDED, "rounds": 24, "sequences": 4, "batch": 4}),
+    "accuracy": ("accuracy", "accuracy", _COPY),
+    "accuracy_repeat": ("accuracy", "accuracy", {**_COPY, "task": "repeat", "buffer": 8, "max_new_tokens": 1664}),
+    "accuracy_prompt_budget": ("accuracy_prompt_budget", "accuracy", _COPY),
+    "autopsy": ("autopsy", "autopsy", {**_EMBEDDED, "task": "copy", "policy": "snapkv", "protect_prompt": True}),
+    "challenge": ("challenge", "challenge", {**_EMBEDDED, "policy": "examples/attention_selector.py:recent_attention",
+                                             "protect_prompt": True, "quick": True}),
+}
+
+
+def shipped_name(name: str, part: str = "rows", **fields: Any) -> str:
+    """``<folder>/<file>`` (relative to ``data/results``) of the shipped result ``name`` (a key of :data:`SHIPPED`),
+    its ``part``; ``fields`` change the shipped configuration (``task="recall"`` for the other autopsy task)."""
+    folder, probe, config = SHIPPED[name]
+    return f"{folder}/{result_name(probe, config, part, **fields)}"
