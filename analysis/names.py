@@ -152,6 +152,7 @@ def _challenge(c: _Fields) -> str:
 _PLANTED = {"rows": _planted, "summary": _planted_summary}
 #: probe -> {part: name function}: every file name a probe composes from its configuration.
 PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
+    "planted": _PLANTED,  # probes.planted_run's rows, whichever probe plants (the probes below, and new ones)
     "head_pooling": _PLANTED, "scatter": _PLANTED, "two_facts": _PLANTED, "challenge_planted": _PLANTED,
     "blocks": {"rows": _planted, "summary": _blocks_summary, "nll": _nll},
     "shared_draw": {"rows": _planted, "summary": _shared_draw_summary, "nll": _nll},

@@ -47,6 +47,7 @@ import randattn
 from analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
                                        warn_uncompressed)
 from analysis.files import write_text
+from analysis.names import result_name, shipped_name
 from randattn.stats import comparison_table
 
 from . import cli
@@ -66,9 +67,9 @@ KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 #: card's settings (its generation config), the paper's runs per task.
 PROTOCOLS = ("protected", "score-only", "matched", "grid")
 # the default run's results (the embedded model on the copy task); figures/__main__.py draws it by default
-DEFAULT_RESULT_NAME = "smollm2-135m-copy-r16-n192-s0.jsonl"
+DEFAULT_RESULT_NAME = Path(shipped_name("accuracy")).name
 # the repeat task's shipped compression sweep (docs/probes.md); figures/__main__.py draws it as accuracy_repeat
-REPEAT_RESULT_NAME = "smollm2-135m-repeat-r8-n1664-s0.jsonl"
+REPEAT_RESULT_NAME = Path(shipped_name("accuracy_repeat")).name
 #: the figure each shipped run is drawn as (``python -m figures`` draws the same names); other runs: their file's
 FIGURE_NAMES = {DEFAULT_RESULT_NAME: "accuracy", REPEAT_RESULT_NAME: "accuracy_repeat"}
 #: The native prompt protection of each policy in the paper's grid (``random_pp``, ``attn``, ``attn_rkv``,
@@ -403,10 +404,7 @@ def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
 
 # -- main ---------------------------------------------------------------------------------------------
 def default_name(model_name: str, task: str, config) -> str:
-    sampling = f"-T{config.temperature:g}-p{config.top_p:g}" if config.temperature > 0 else ""
-    packed = "-packed" if getattr(config, "pack", False) else ""
-    return (f"{Path(str(model_name)).name}-{task}-r{config.buffer}-n{config.max_new_tokens}{sampling}{packed}"
-            f"-s{config.seed}.jsonl")
+    return result_name("accuracy", config, model=model_name, task=task)
 
 
 def repo_relative(path: Optional[str]) -> Optional[str]:

@@ -51,9 +51,9 @@ from tqdm.auto import tqdm
 
 import randattn
 from analysis.autopsy import held_map, location, pack_mask, span_survival, summarize, windows
+from analysis.names import result_name
 
 from . import cli
-from .common import policy_slug
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load, write_csv
 from .policy_specs import bind_policies, check_policy, native_protection
@@ -533,12 +533,13 @@ def cases_of(config: Config, tok) -> list[Case]:
 
 
 def results_path(folder: Path, model_name: str, config: Config, spec: str, protect: bool) -> Path:
-    return folder / (f"{Path(model_name).name}-{config.kind}-{policy_slug(spec)}-{protection_tag(protect)}-K{config.T}"
-                     f"-r{config.r}-s{config.seed}.jsonl")
+    return folder / result_name("autopsy", model=model_name, task=config.kind, policy=spec, protect_prompt=protect,
+                                budget=config.T, buffer=config.r, seed=config.seed)
 
 
 def summary_path(folder: Path, model_name: str, config: Config) -> Path:
-    return folder / f"summary-{Path(model_name).name}-{config.kind}-K{config.T}-r{config.r}-s{config.seed}.csv"
+    return folder / result_name("autopsy", None, "summary", model=model_name, task=config.kind, budget=config.T,
+                                buffer=config.r, seed=config.seed)
 
 
 def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:

@@ -27,13 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
+from analysis.names import result_name
 from analysis.planted import nll_deltas, summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
 from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
-from .results import ResultsFile, protection_tag
+from .results import ResultsFile
 
 
 def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
@@ -125,9 +126,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
 
 def nll_path(s: Session) -> Path:
     a = s.config
-    model = Path(str(s.results.config["model"])).name
-    return (s.results.path.parent
-            / f"nll-{model}-K{a.budget}-r{a.buffer}-L{a.length}-s{a.seed}-{protection_tag(a.protect_prompt)}.jsonl")
+    return s.results.path.parent / result_name("blocks", a, "nll", model=s.results.config["model"])
 
 
 def report(s: Session, planted: dict, nll: list[dict]) -> None:
@@ -159,8 +158,7 @@ def report(s: Session, planted: dict, nll: list[dict]) -> None:
         print(f"{b:>6} {a.budget / b:>11.1f}  {format(d, '.4f') if d else '-':<28} "
               f"{format(pl.recall, '.3f') if pl else '-':<24} {format(pl.retrieval, '.3f') if pl else '-':<22}")
     model = Path(str(s.results.config["model"])).name
-    path = write_csv(s.results.path.parent / f"summary-{model}-K{a.budget}-r{a.buffer}-d{a.distance}-s{a.seed}-"
-                     f"{protection_tag(a.protect_prompt)}.csv", table)
+    path = write_csv(s.results.path.parent / result_name("blocks", a, "summary", model=model), table)
     print(f"\nsummary: {path}")
     if not a.no_figure:
         cli.draw("blocks", path, a.figure_dir)

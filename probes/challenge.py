@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Optional
 
 import randattn
+from analysis.names import result_name
 
 from . import cli
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
-from .common import policy_slug
 from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
 from .planted_run import load, write_csv
 from .policy_specs import check_policy, check_stats_used
@@ -119,10 +119,8 @@ class Config(RunConfig):
 
 
 def default_out(config: Config) -> Path:
-    model = Path(str(config.model or randattn.DEFAULT_MODEL)).name
-    tags = ("" if config.protect_prompt else "-score-only") + ("-quick" if config.quick else "")
-    return (Path("data/results/challenge") /
-            f"{policy_slug(config.policy)}-{model}-K{config.budget}-r{config.buffer}{tags}")
+    return Path("data/results/challenge") / result_name("challenge", config, "folder",
+                                                        model=config.model or randattn.DEFAULT_MODEL)
 
 
 # -- printing ----------------------------------------------------------------------------------------------

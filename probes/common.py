@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
+
+from analysis.names import policy_slug  # noqa: F401 (a policy's spelling in result names; re-exported)
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -78,11 +79,3 @@ def ranges(sorted_positions) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev > start else f"{start}")
     return ", ".join(out)
-
-
-def policy_slug(name: str) -> str:
-    """A file-name-safe policy name: ``my_selector:score`` -> ``my_selector.score``, ``dir/sel.py:f`` -> ``sel.f``."""
-    where, sep, attr = name.rpartition(":")
-    if sep:
-        name = f"{Path(where).stem if where.endswith('.py') else where}.{attr}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)

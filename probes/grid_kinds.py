@@ -25,6 +25,7 @@ import torch
 import randattn
 from randattn.traces import load_traces
 
+from analysis.names import result_name
 from analysis.planted import passcode_compare
 
 from . import accuracy as acc
@@ -33,9 +34,8 @@ from .grid_spec import Spec, SpecError, Unit, bind_check, embedded_name, stable_
 from .passcode import FACT, INSTRUCTION, QUERY, passcode_distance
 from .planted import Condition, InstanceBuilder, fact_metrics, model_shape, run_batch
 from .planted_run import PlantedConfig, Session, write_csv
-from .planted_run import _slug as planted_slug
 from .policy_specs import calibration_options
-from .results import DEFAULT_TRACES, ResultsFile, check_ours, protection_tag, run_record, trace_label
+from .results import DEFAULT_TRACES, ResultsFile, check_ours, run_record, trace_label
 from .tasks import Problem, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 
 
@@ -216,7 +216,8 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
         if protect and len(builder.stub) + 1 > k - r:
             raise SpecError(f"budgets: T={k} cannot hold the {len(builder.stub)}-token protected stub prompt beside the "
                             f"recent window of r={r}; use T >= {len(builder.stub) + 1 + r} or protect_prompt = false")
-        name = f"{Path(model).name}-K{k}-r{r}-n{rounds}-s{seed}-{protection_tag(protect)}"
+        name = result_name("passcode", None, "group", model=model, budget=k, buffer=r, rounds=rounds, seed=seed,
+                           protect_prompt=protect)
         group = f"passcode/{name}"  # probes.passcode's --out DIR, with its summary-<name>.csv
         for policy in spec.policies:
             _cache_check(f"policies: {policy} at K={k}, r={r}", lambda: randattn.EvictingCache(
@@ -228,11 +229,10 @@ def _plan_passcode_geometry(plan, spec, model, tok, texts, trace_label, options,
                                          if o != randattn.make_policy(policy).calibration},
                       "protect_prompt": protect, "seed": seed, "batch": spec.batch, "n_facts": 1, "kv_heads": n_heads,
                       "layers": n_layers, "rounds": rounds, **run_record()}
-            output = Output(f"{group}/{planted_slug(config)}.jsonl", "passcode", config,
+            output = Output(f"{group}/{result_name('planted', config)}", "passcode", config,
                             ("instance", "condition", "fact"), group,
                             meta={"policy": policy, "seed": seed,
-                                  "summary": f"{group}/summary-{Path(model).name}-K{k}-r{r}-n{rounds}-s{seed}-"
-                                             f"{protection_tag(protect)}.csv"})
+                                  "summary": f"{group}/{result_name('passcode', config, 'summary')}"})
             plan.outputs.append(output)
             conditions = ["policy"] + (["kept", "full"] if policy == "random" and spec.references else [])
             session = {"policy": policy, "budget": k, "buffer": r, "protect_prompt": protect, "seed": seed}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import randattn
+from analysis.names import result_name
 from analysis.planted import passcode_compare
 
 from . import cli
@@ -29,7 +30,6 @@ from .config import POSITIVE, ConfigError, option
 from .planted import Condition
 from .planted_run import PAPER, PlantedConfig, describe, run_conditions, setup, write_csv
 from .policy_specs import bind_policies, calibration_options, check_policy
-from .results import protection_tag
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
@@ -105,8 +105,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
 
 
 def summary_name(config: Config, model: str) -> str:
-    return (f"summary-{Path(str(model)).name}-K{config.budget}-r{config.buffer}-n{config.rounds}-s{config.seed}-"
-            f"{protection_tag(config.protect_prompt)}.csv")
+    return result_name("passcode", config, "summary", model=model)
 
 
 def report(config: Config, rows_by_policy: dict, sessions: dict) -> None:

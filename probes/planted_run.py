@@ -18,15 +18,15 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
+from analysis.names import result_name, summary_beside
 from analysis.planted import ConditionSummary
 from randattn.keepstats import random_round_survival
 from randattn.traces import load_traces
 
-from .common import policy_slug
 from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
 from .policy_specs import calibration_options, check_policy, check_stats_used
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
-from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
+from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 PAPER = {"budget": 1024, "buffer": 64, "distance": 1536}
 
@@ -156,7 +156,7 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
         "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "engine": randattn.ENGINE,
         **run_record(model),
     }
-    path = out or folder / f"{_slug(record)}.jsonl"
+    path = out or folder / result_name("planted", record)
     try:
         results = ResultsFile(path, record, ("instance", "condition", "fact"), restart=config.restart)
     except PermissionError as exc:
@@ -167,10 +167,8 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
 
 
 def _slug(config: dict) -> str:
-    model = Path(str(config["model"])).name.replace("/", "_")
-    extra = "".join(f"-{k}{v}" for k, v in config["policy_options"].items())
-    return (f"{model}-{policy_slug(config['policy'])}{extra}-K{config['budget']}-r{config['buffer']}-d{config['distance']}"
-            f"-s{config['seed']}-{protection_tag(config['protect_prompt'])}")
+    """The rows file's name without ``.jsonl`` (analysis.names defines it)."""
+    return result_name("planted", config)[: -len(".jsonl")]
 
 
 def describe(s: Session) -> str:
@@ -288,9 +286,8 @@ def summary_path(s: Session) -> Path:
     """The summary table beside the rows: ``<rows>.summary.csv``, or ``<rows>.n<N>.summary.csv`` when this run covered
     only the first N of the file's instances (so a shorter rerun never overwrites the full summary)."""
     in_file = len({r["instance"] for r in s.results.rows})
-    base = s.results.path.with_suffix("")
-    tag = "" if s.config.instances >= in_file else f".n{s.config.instances}"
-    return base.with_name(base.name + tag + ".summary.csv")
+    covered = None if s.config.instances >= in_file else s.config.instances
+    return s.results.path.with_name(summary_beside(s.results.path.name, covered))
 
 
 def finish(s: Session, table: Sequence[dict], figure: Optional[str] = None) -> Path:

@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 import randattn
+from analysis.names import result_name
 from analysis.prompt_protection import summarize
 
 from . import cli
@@ -165,7 +166,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     record = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": config.budget,
               "buffer": config.buffer, "body": config.body, "seed": config.seed, "batch": config.batch,
               "prompt_len": tasks.prompt_len, "traces": trace_label(traces), **run_record(model)}
-    path = folder / f"{Path(model_name).name}-K{config.budget}-r{config.buffer}-b{config.body}-s{config.seed}.jsonl"
+    path = folder / result_name("prompt_protection", record)
     try:
         rf = ResultsFile(path, record, ("instance", "policy", "protect"), restart=config.restart)
     except (ValueError, PermissionError) as exc:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from analysis.files import DiskFull, NotOurs, disk_full
+from analysis.names import protection_tag  # noqa: F401 (the spelling in result names; re-exported)
 from analysis.rows import BadRow, check_row
 
 __all__ = ["ResultsFile", "NotOurFile", "RunInUse", "hold_folder", "release_folders", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
@@ -62,11 +63,6 @@ def out_folder(probe: str, out: "str | os.PathLike | None") -> Path:
             raise ConfigError("out", f"{p} is a file, not a folder; --out names the folder the results go into "
                                      "(each file is named after its configuration), e.g. --out results/")
     return folder
-
-
-def protection_tag(protect_prompt: bool) -> str:
-    """The one spelling of prompt protection in file names and tables: ``protected`` or ``score-only``."""
-    return "protected" if protect_prompt else "score-only"
 
 
 def trace_label(path: Path) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import randattn
+from analysis.names import result_name
 from analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
@@ -32,7 +33,7 @@ from .blocks import full_attention, run_nll
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
 from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
-from .results import out_folder, protection_tag
+from .results import out_folder
 
 POLICIES = ("random", "random-shared")
 
@@ -92,9 +93,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
             arms[policy] = (lambda pol: lambda bi: randattn.EvictingCache(
                 pol, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
                 seed=a.seed * 1_000_003 + bi))(policy)
-        model_name = Path(str(s.results.config["model"])).name
-        out = s.results.path.parent / (f"nll-{model_name}-K{a.budget}-r{a.buffer}-L{a.length}-s{a.seed}-"
-                                       f"{protection_tag(a.protect_prompt)}.jsonl")
+        out = s.results.path.parent / result_name("shared_draw", a, "nll", model=s.results.config["model"])
         nll = run_nll(s, arms, config.sequences, config.length, out, desc="next-token loss")
     codes = {}
     if not config.skip_passcode:
@@ -140,8 +139,7 @@ def report(s: Session, planted: dict, nll: list[dict], codes: dict) -> None:
     print("\npaper: a shared draw is about as good as per-head draws on real traces; per-head diversity matters "
           "for once-stated facts")
     model = Path(str(s.results.config["model"])).name
-    path = write_csv(s.results.path.parent / f"summary-{model}-K{a.budget}-r{a.buffer}-s{a.seed}-"
-                     f"{protection_tag(a.protect_prompt)}.csv",
+    path = write_csv(s.results.path.parent / result_name("shared_draw", a, "summary", model=model),
                      [{**r, "model": s.results.config["model"], "budget": a.budget, "buffer": a.buffer} for r in table])
     print(f"\nsummary: {path}")
     if not a.no_figure:

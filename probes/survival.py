@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 import randattn
 from randattn import keepstats
+from analysis.names import result_name
 from analysis.survival import Pooled, mean_deficit, pool
 from randattn.traces import load_traces
 
@@ -263,9 +264,8 @@ def modes_of(policy: str, modes: Sequence[str]) -> list[str]:
 
 
 def _slug(config: dict) -> str:
-    model = Path(str(config["model"])).name.replace("/", "_")
-    return (f"{model}-K{config['budget']}-r{config['buffer']}-n{config['rounds']}-seq{config['sequences']}"
-            f"-b{config['batch']}-s{config['seed']}")
+    """The rows file's name without ``.jsonl`` (analysis.names defines it)."""
+    return result_name("survival", config)[: -len(".jsonl")]
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
@@ -294,7 +294,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
               "age_bin": config.age_bin, "entropy_bins": config.entropy_bins, "kv_heads": n_heads, "layers": n_layers,
               **run_record(model)}
     try:
-        results = ResultsFile(folder / f"{_slug(record)}.jsonl", record, ("policy", "mode", "sequence"),
+        results = ResultsFile(folder / result_name("survival", record), record, ("policy", "mode", "sequence"),
                               restart=config.restart)
     except (ValueError, PermissionError) as exc:
         raise ConfigError("out", str(exc)) from None

@@ -108,7 +108,7 @@ def _hand_typed(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("package", ["figures"])
+@pytest.mark.parametrize("package", ["figures", "probes"])
 def test_no_result_name_is_typed_by_hand(package):
     found = [hit for path in sorted((ROOT / package).rglob("*.py")) for hit in _hand_typed(path)]
     assert not found, "compose result names with analysis.names.result_name / shipped_name:\n" + "\n".join(found)
