@@ -25,37 +25,41 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 from typing import Optional
 
 from . import state
-from .config import read_config
+from .config import SECTION, read_config
 
 __all__ = ["install", "engine_config"]
 
 _INSTALLED = False
-_ATTR = "_randattn_cfg"
+_CONFIGS: dict = {}
 
 
 def engine_config(vllm_config) -> Optional[object]:
-    """The plugin's :class:`~randattn.vllm.config.EngineConfig` for ``vllm_config`` (cached on it), or None."""
-    cached = getattr(vllm_config, "__dict__", {}).get(_ATTR, False)
-    if cached is not False:
-        return cached
-    cfg = read_config(getattr(vllm_config, "additional_config", None))
+    """The plugin's :class:`~randattn.vllm.config.EngineConfig` for ``vllm_config``, or None; checked once per
+    distinct config (cached here, not on the config: vLLM pickles its config into the engine-core process)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    par = getattr(vllm_config, "parallel_config", None)
+    tp, pp = getattr(par, "tensor_parallel_size", 1), getattr(par, "pipeline_parallel_size", 1)
+    try:
+        key = (json.dumps(extra.get(SECTION) if isinstance(extra, dict) else None, sort_keys=True), tp, pp)
+    except TypeError:  # not JSON: read it every time
+        key = None
+    if key is not None and key in _CONFIGS:
+        return _CONFIGS[key]
+    cfg = read_config(extra)
     if cfg is not None:
         problem = state.policy_problem(cfg)
         if problem:
             raise ValueError(f"randattn.vllm: {problem} (additional_config['randattn']['policy'])")
-        par = getattr(vllm_config, "parallel_config", None)
-        tp, pp = getattr(par, "tensor_parallel_size", 1), getattr(par, "pipeline_parallel_size", 1)
         if tp != 1 or pp != 1:
             raise ValueError(f"randattn.vllm runs on one device (tensor_parallel_size=1, pipeline_parallel_size=1), got "
                              f"{tp} and {pp}: a rank holding a subset of the KV heads would draw for other heads than "
                              "the HF engine; use one device")
-    try:
-        object.__setattr__(vllm_config, _ATTR, cfg)
-    except Exception:  # a config that takes no attributes: read it again next time
-        pass
+    if key is not None:
+        _CONFIGS[key] = cfg
     return cfg
 
 

@@ -146,11 +146,12 @@ def plan_step(cfg: EngineConfig, *, req_ids: list, computed: np.ndarray, schedul
     for i, rid in enumerate(req_ids):
         c, q, p = int(computed[i]), int(scheduled[i]), int(prompt_lens[i])
         st = _REQUESTS.get(rid)
-        if st is None or c == 0:  # a new request, or one preempted and recomputed from its first token
+        if c == 0:  # a new request, or one preempted and recomputed from its first token
             st = _REQUESTS[rid] = RequestState.new(rid, keys[i], p, cfg, max_lens[i])
-        elif c != st.computed:
+        elif st is None or c != st.computed:
             raise RuntimeError(
-                f"randattn.vllm: request {rid!r} resumes at token {c} but its eviction state is at {st.computed}; "
+                f"randattn.vllm: request {rid!r} resumes at token {c} but its eviction state is at "
+                f"{0 if st is None else st.computed}; "
                 "only a recompute from the first token can rebuild evicted pairs (prefix caching or a KV connector "
                 "restoring blocks cannot): disable them")
         end = next_round_length(p, c, cfg)
