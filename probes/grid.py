@@ -26,10 +26,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from . import units
 from .common import positive_int
 from .grid_backends import BackendError, FailAt, ItemStore, LocalBackend, RayBackend
-from .grid_kinds import MERGE, PLAN, Plan
-from .grid_spec import Spec, SpecError, check_model, read_spec
+from .grid_spec import Spec, SpecError, plans as plan_spec, read_spec
+from .units import Plan
 
 
 def grid_parser() -> argparse.ArgumentParser:
@@ -68,27 +69,50 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--retries {args.retries}: must be >= 0")
 
 
-def make_plan(spec_path: str) -> tuple[Spec, Plan]:
-    """Read the spec, check every model (tokenizer and shape on this machine) and expand it."""
-    spec = read_spec(spec_path)
-    models = {m: check_model(m, "models") for m in spec.models}
-    names = [Path(m).name for m in spec.models]
-    clash = next((n for n in names if names.count(n) > 1), None)
-    if clash:
-        raise SpecError(f"models: two models end in {clash!r}, so their result files would share a name; copy or "
-                        "link one under another directory name")
-    return spec, PLAN[spec.probe](spec, models)
+class Chain:
+    """One configuration's plan and its further stages (``Plan.then``), planned as the rows they need come in."""
+
+    def __init__(self, plan: Plan):
+        self.plans = [plan]
+
+    @property
+    def units(self) -> list:
+        return [u for p in self.plans for u in p.units]
+
+    @property
+    def outputs(self) -> list:
+        return list({o.path: o for p in self.plans for o in p.outputs}.values())
+
+    def extend(self, store: "ItemStore", done: set) -> bool:
+        """Plan the next stage when the last one has one and every item so far is done; True when it did."""
+        last = self.plans[-1]
+        if last.then is None or not all(i in done for u in self.units for i in u.ids):
+            return False
+        self.plans.append(last.then(merged_rows(self, store, done)))
+        return True
 
 
-def print_plan(plan: Plan, done: set[str]) -> None:
+def make_plan(spec_path: str, out: "Path | None" = None, figures: bool = False) -> tuple[Spec, list[Chain]]:
+    """Read the spec, check every model (tokenizer and shape on this machine) and plan every configuration."""
+    spec = read_spec(spec_path, out=out, figures=figures)
+    return spec, [Chain(p) for p in plan_spec(spec)]
+
+
+def all_units(chains: list[Chain]) -> list:
+    return [u for c in chains for u in c.units]
+
+
+def print_plan(chains: list[Chain], done: set[str]) -> None:
     by_output = defaultdict(lambda: [0, 0, 0])
-    for u in plan.units:
+    for u in all_units(chains):
         c = by_output[u.output]
         c[0] += 1
-        c[1] += len(u.items)
-        c[2] += sum(i in done for i in u.items)
-    for path, (units, items, finished) in by_output.items():
-        print(f"  {path}: {items} items in {units} units, {finished} done")
+        c[1] += len(u.ids)
+        c[2] += sum(i in done for i in u.ids)
+    for path, (n_units, items, finished) in by_output.items():
+        print(f"  {path}: {items} items in {n_units} units, {finished} done")
+    if any(c.plans[-1].then for c in chains):
+        print("  (and a further stage planned from these rows: the compression sweep's budgets)")
 
 
 class Progress:
@@ -101,38 +125,54 @@ class Progress:
 
     def done(self, unit, result) -> None:
         seconds = result["seconds"] / max(1, len(unit.items))
-        for item_id, key, rows in zip(unit.items, unit.keys, result["rows"]):
-            record = {"id": item_id, "unit": unit.id, "kind": unit.kind, "output": unit.output, "key": key,
-                      "rows": rows, "worker": result["worker"], "device": result["device"], "seconds": seconds,
+        for item_id, item in zip(unit.ids, unit.items):
+            # each row with its place among the unit's rows, so the merge writes them in the order a local run does
+            order = [n for n, r in enumerate(result["rows"]) if units.rows_of_item(unit, item, [r])]
+            record = {"id": item_id, "unit": unit.id, "kind": unit.kind, "output": unit.output,
+                      "key": {**unit.fixed, **item}, "rows": [result["rows"][n] for n in order], "order": order, "worker": result["worker"], "device": result["device"], "seconds": seconds,
                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
             self.written += self.store.write(item_id, record)
         self.tokens += result["tokens"]
-        self.workers[result["worker"]] += len(unit.items)
-        self.bar.update(len(unit.items))
+        self.workers[result["worker"]] += len(unit.ids)
+        self.bar.update(len(unit.ids))
 
     def failed(self, unit, reason: str) -> None:
         self.failures.append((unit, reason))
-        self.bar.set_postfix_str(f"failed {sum(len(u.items) for u, _ in self.failures)} items")
-        tqdm.write(f"unit {unit.id} ({len(unit.items)} items, {unit.keys[0]}) failed: {reason}")
+        self.bar.set_postfix_str(f"failed {sum(len(u.ids) for u, _ in self.failures)} items")
+        tqdm.write(f"unit {unit.id} ({len(unit.ids)} items, {unit.label or unit.items[0]}) failed: {reason}")
 
 
-def merge(plan: Plan, store: ItemStore, out: Path, figures: bool) -> tuple[list[Path], int]:
-    """Merge the finished items into the probes' result files; returns the paths and the items still missing."""
+def merged_rows(chain: Chain, store: ItemStore, done: set) -> dict:
+    """``{output path: rows}`` of the finished items, in the order a single-machine run writes them."""
+    rows = defaultdict(list)
+    for unit in chain.units:
+        have = []
+        for n, i in enumerate(unit.ids):
+            if i in done:
+                record = store.read(i)
+                # the row's place among its unit's rows; an item without places keeps its rows in item order
+                places = record.get("order") or [len(unit.ids) * 10**6 + n * 10**4 + k for k in range(len(record["rows"]))]
+                have += list(zip(places, record["rows"]))
+        rows[unit.output] += [r for _, r in sorted(have, key=lambda x: x[0])]
+    return rows
+
+
+def merge(chains: list[Chain], store: ItemStore, figures: bool) -> tuple[list[Path], int]:
+    """Write each configuration's result files from the finished items (the files its command line writes: rows,
+    then the kind's summaries, tables and figures); returns the paths and the items still missing."""
     done = store.done()
-    rows, missing = defaultdict(list), 0
-    for unit in plan.units:
-        for item_id in unit.items:
-            if item_id in done:
-                rows[unit.output] += store.read(item_id)["rows"]
-            else:
-                missing += 1
-    groups = defaultdict(list)
-    for o in plan.outputs:
-        if rows.get(o.path):
-            groups[o.group].append(o)
-    paths = []
-    for outputs in groups.values():
-        paths += MERGE[outputs[0].kind](outputs, rows, out, figures)
+    paths, missing = [], 0
+    for chain in chains:
+        missing += sum(i not in done for u in chain.units for i in u.ids)
+        rows = merged_rows(chain, store, done)
+        outputs = [o for o in chain.outputs if rows.get(o.path)]
+        if not outputs:
+            continue
+        for o in outputs:
+            units.write_rows(o, rows[o.path])
+        last = chain.plans[-1]
+        merged = Plan(last.kind, last.config, outputs, chain.units, meta=last.meta)
+        paths += units.kind(last.kind).merge(merged, rows, figures)
     return paths, missing
 
 
@@ -146,19 +186,29 @@ def main(argv=None) -> int:
             p.error(f"--out: {parent} is a file, not a folder; --out names the grid's directory (items and merged "
                     "results go under it)")
     try:
-        spec, plan = make_plan(args.spec)
+        spec, chains = make_plan(args.spec, out, figures=not args.no_figure)
     except SpecError as exc:
         p.error(f"{args.spec}: {exc}")
     store = ItemStore(out)
-    items = plan.items
-    done = store.done() & set(items)
-    pending = [u for u in plan.units if not all(i in done for i in u.items)]
-    print(f"grid {args.spec} ({spec.probe}): {len(items)} items in {len(plan.units)} units, "
-          f"{len(plan.outputs)} result files under {out}; {len(done)} items done, {len(pending)} units to run")
+    done = store.done()
+    while any([c.extend(store, done) for c in chains]):  # stages whose rows are in already (a rerun, --merge-only)
+        pass
+
+    def pending_units():
+        return [u for u in all_units(chains) if not all(i in done for i in u.ids)]
+
+    def n_items():
+        return sum(len(u.ids) for u in all_units(chains))
+
+    pending = pending_units()
+    n_outputs = len({o.path for c in chains for o in c.outputs})
+    print(f"grid {args.spec} ({spec.probe}): {n_items()} items in {len(all_units(chains))} units, {n_outputs} result "
+          f"files under {out}; {sum(i in done for u in all_units(chains) for i in u.ids)} items done, {len(pending)} "
+          "units to run")
     if args.plan:
-        print_plan(plan, done)
+        print_plan(chains, done)
         return 0
-    progress = None
+    progress = backend = None
     if pending and not args.merge_only:
         worker = {"device": spec.device, "threads": args.cpus_per_worker, "fail": FailAt.from_env()}
         backend = (LocalBackend(worker) if args.backend == "local" else
@@ -168,10 +218,17 @@ def main(argv=None) -> int:
             print(f"backend {backend.name}: {backend.start()}")
         except BackendError as exc:
             p.error(str(exc))
-        progress = Progress(store, len(items), len(done), f"grid ({backend.name})")
+        progress = Progress(store, n_items(), n_items() - sum(len(u.ids) for u in pending), f"grid ({backend.name})")
         t0 = time.perf_counter()
         try:
-            backend.run(pending, progress.done, progress.failed)
+            while pending:
+                backend.run(pending, progress.done, progress.failed)
+                done = store.done()
+                if not any([c.extend(store, done) for c in chains]):
+                    break
+                pending = pending_units()  # a further stage (the compression sweep) planned from the rows
+                progress.bar.total = n_items()
+                progress.bar.refresh()
         finally:
             progress.bar.close()
             backend.close()
@@ -180,17 +237,19 @@ def main(argv=None) -> int:
         print(f"\nran {ran} items in {wall:.1f} s on {len(progress.workers)} worker(s): {ran / wall:.2f} items/s, "
               f"{progress.tokens / wall:.0f} tokens/s" + "".join(f"\n  {w}: {n} items" for w, n in
                                                                 progress.workers.most_common()))
-    paths, missing = merge(plan, store, out, figures=not args.no_figure)
+    paths, missing = merge(chains, store, figures=not args.no_figure)
     print("\n" + "\n".join(f"wrote {x}" for x in paths))
     failed = progress.failures if progress else []
     if failed:
-        print(f"\n{sum(len(u.items) for u, _ in failed)} items in {len(failed)} units failed:"
-              + "".join(f"\n  {u.id} {u.keys[0]}: {why}" for u, why in failed[:10]))
-    if missing:
-        print(f"\nINCOMPLETE: {missing} of {len(items)} items missing; the merged files hold the rest. Rerun the same "
-              "command to compute only the missing items.")
+        print(f"\n{sum(len(u.ids) for u, _ in failed)} items in {len(failed)} units failed:"
+              + "".join(f"\n  {u.id} {u.label or u.items[0]}: {why}" for u, why in failed[:10]))
+    total = n_items()
+    if missing or any(c.plans[-1].then for c in chains):
+        print(f"\nINCOMPLETE: {missing} of {total} items missing" + (" (and a stage not yet planned)" if not missing
+                                                                      else "")
+              + "; the merged files hold the rest. Rerun the same command to compute only the missing items.")
         return 1
-    print(f"\ncomplete: {len(items)} items merged into {len(plan.outputs)} result files under {out}")
+    print(f"\ncomplete: {total} items merged into {n_outputs} result files under {out}")
     return 0
 
 

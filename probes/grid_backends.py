@@ -32,7 +32,8 @@ import torch
 
 from analysis.rows import BadRow, check_row
 
-from .grid_spec import Unit
+from . import units
+from .units import Unit
 
 FAIL_ENV = "RANDATTN_GRID_FAIL"
 
@@ -76,6 +77,10 @@ class ItemStore:
             return f"{type(exc).__name__}: {str(exc)[:80]}"
         if not isinstance(record, dict) or record.get("id") != path.stem or not isinstance(record.get("rows"), list):
             return "not an item record with its id and rows"
+        order = record.get("order", list(range(len(record["rows"]))))
+        if not isinstance(order, list) or len(order) != len(record["rows"]) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in order):
+            return "its 'order' does not give one place per row"
         for n, row in enumerate(record["rows"]):  # valid JSON can still hold rows no summary could use
             if not isinstance(row, dict):
                 return f"row {n} is not a JSON object"
@@ -158,15 +163,15 @@ class Worker:
         return self.model, self.tok
 
     def run(self, unit: Unit) -> dict:
-        from .grid_kinds import RUN
-
+        """Run one unit of any registered kind (``probes.units``): its rows, tokens generated or replayed, time."""
         self.started += 1
         if self.fail:
             self.fail.trigger(self.started)
         model, tok = self._load(unit.model)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            rows, tokens = RUN[unit.kind](model, tok, unit)
+            rows = units.unit_rows(units.kind(unit.kind), model, tok, unit)
+        tokens = sum(r.get("gen_len", 0) for r in rows) or len(rows) * unit.work.get("length", 0)
         return {"unit": unit.id, "rows": rows, "tokens": tokens, "seconds": time.perf_counter() - t0,
                 "worker": self.name, "device": str(model.device)}
 

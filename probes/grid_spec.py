@@ -1,62 +1,54 @@
-"""Grid specs: a TOML file naming a probe or accuracy grid, read and checked before any work starts.
+"""Grid specs: a TOML file naming a probe kind and its configuration, read and checked before any work starts.
 
-One key per dimension; a scalar or a list wherever a list is shown (every combination is run)::
+The keys are the probe's own configuration fields (its command-line flags, with underscores: ``--max-new-tokens``
+is ``max_new_tokens``), checked by the probe's own ``Config``, so a grid runs what the command line runs::
 
-    probe = "accuracy"                    # or "passcode"
+    probe = "accuracy"                    # any registered kind: accuracy, passcode (probes.units.KINDS)
     models = ["Qwen/Qwen3-4B"]            # hub ids, local directories, or "smollm2-135m" (the default)
-    policies = ["full", "random", "snapkv", "my_selector:score"]   # names or MODULE:CALLABLE
-    budgets = [1024]                      # K
-    buffers = [64]                        # r
-    protect_prompt = [true, false]        # protected prompt and/or score only
+    policies = ["full", "random", "snapkv", "my_selector:score"]   # accuracy: --policy; passcode: --policies
+    budgets = [1024]                      # accuracy: --budget (one file, a budget sweep); passcode: one run each
+    buffers = [64]                        # r; a list: one run each
+    protocol = "grid"                     # accuracy: protected, score-only, matched, grid
     seeds = [0]
-    batch = 16                            # items generated together (same arm and prompt length)
-    device = "auto"
-    stats = "qwen3-4b-stats.pt"           # TriAttention statistics (python -m randattn.calibrate)
-    [policy_options.h2o]                  # options passed to a policy's constructor
-    recent_fraction = 0.25
-
-    # accuracy only
-    task = "math500"                      # see probes/tasks.py
+    task = "math500"
     data = "math500.jsonl"                # instead of the HF dataset (read by the driver only)
     runs = 4
-    problems = 500
     max_new_tokens = 32768
-    temperature = 0.0
-    top_p = 1.0
+    [policy_options.h2o]                  # accuracy: --policy-option h2o:recent_fraction=0.25
+    recent_fraction = 0.25
 
-    # passcode only
-    rounds = [57]
-    instances = 16
-    box_width = 20
-    traces = "data/traces/smollm2-135m.jsonl"
-    references = true                     # full attention and the passcode pinned everywhere, in Random's file
-
-Defaults are the probes' own (``python -m probes.accuracy`` / ``python -m probes.passcode``). Paths
-are relative to the working directory, as on a command line. A wrong key, type, value, policy, task
-or model is a :class:`SpecError` naming the key and the fix.
+A list given for a field that takes one value runs every value (a sweep: one run of the probe per combination,
+in the order the keys are written, models first); a field that takes several (``policy``, ``budget`` of the
+accuracy harness, ``policies`` of the passcode) takes the list as its value. ``models``, ``seeds``, ``budgets``,
+``buffers`` and ``policies`` are the plural spellings of ``model``, ``seed``, ``budget``, ``buffer`` and
+``policy``. Accuracy only: ``protect_prompt = [true, false]`` is ``protocol = "matched"``. Defaults are the
+probe's own (``python -m probes.<probe>``); ``out``, ``restart``, ``no_figure`` and ``figure_dir`` are the grid
+command's. Paths are relative to the working directory, as on a command line. A wrong key, type, value, policy,
+task or model is a :class:`SpecError` naming the key and the fix.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
+import itertools
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import randattn
 
-from .accuracy import FULL
+from . import units
 from .config import ConfigError
-from .policy_specs import bind_policies, check_policy
+from .units import ModelInfo
 
-PROBES = ("accuracy", "passcode")
-COMMON = {"probe", "models", "policies", "budgets", "buffers", "protect_prompt", "seeds", "batch", "device", "stats",
-          "policy_options"}
-ONLY = {"accuracy": {"task", "data", "runs", "problems", "max_new_tokens", "temperature", "top_p"},
-        "passcode": {"rounds", "instances", "box_width", "traces", "references"}}
+#: Plural spellings of fields (the spec files of earlier releases used them).
+PLURALS = {"models": "model", "seeds": "seed", "budgets": "budget", "buffers": "buffer", "policies": "policy"}
+#: Fields the grid command sets, never a spec.
+COMMAND = {"out", "restart", "no_figure", "figure_dir"}
+#: Fields kept off the command line that a grid may still set.
+GRID_ONLY = {"references"}
 
 
 class SpecError(ValueError):
@@ -65,90 +57,96 @@ class SpecError(ValueError):
 
 @dataclass
 class Spec:
-    """A checked spec. ``None`` means the probe's or the task's default."""
+    """A checked spec: one probe configuration per combination of its swept keys."""
 
     path: Path
     probe: str
-    models: list[str]
-    policies: list[str]
-    budgets: Optional[list[int]]
-    buffers: Optional[list[int]]
-    protect_prompt: list[bool]
-    seeds: list[int]
-    batch: int
+    configs: list
     device: str = "auto"
-    stats: Optional[str] = None
-    policy_options: dict = field(default_factory=dict)
-    task: str = "copy"
-    data: Optional[str] = None
-    runs: int = 3
-    problems: Optional[int] = None
-    max_new_tokens: Optional[int] = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    rounds: list[int] = field(default_factory=lambda: [57])
-    instances: int = 16
-    box_width: int = 20
-    traces: Optional[str] = None
-    references: bool = True
+    keys: dict = field(default_factory=dict)  # field -> the key the spec wrote for it (errors name that key)
+
+    def key_of(self, field_name: str) -> str:
+        return self.keys.get(field_name, field_name)
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(c.model or randattn.DEFAULT_MODEL for c in self.configs))
 
 
-@dataclass
-class Unit:
-    """Items one worker runs together, as one batch of a single-machine run (same model, arm, prompt length): the
-    batch is fixed by the spec, not by scheduling, so every backend computes the same rows."""
-
-    kind: str
-    model: str
-    output: str  # the merged result file its rows go to, relative to the grid's directory
-    items: list[str]  # item ids, in row order
-    keys: list[dict]  # per item: what it is (model, policy, K, ..., problem and run, or instance)
-    work: dict  # everything the worker needs besides the model weights
-    id: str = ""
-
-    def __post_init__(self):
-        self.id = self.id or stable_id(self.items)
+def _fields(cls) -> dict:
+    """``{name: (type hint, field)}`` of the fields a spec may set."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f) for f in dataclasses.fields(cls)
+            if f.name not in COMMAND and (f.metadata.get("cli", True) or f.name in GRID_ONLY)}
 
 
-def stable_id(*parts: Any) -> str:
-    """A short hash of JSON-able parts (dict keys sorted), the same on every machine and run."""
-    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+def _optional(tp) -> bool:
+    return typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
 
 
-# -- reading ----------------------------------------------------------------------------------------
-def _list(raw: dict, key: str, kind, what: str, default=None, check=lambda v: True) -> Optional[list]:
-    """``raw[key]`` as a list of ``kind`` (a scalar is a one-element list) passing ``check``, without repeats."""
-    if key not in raw:
-        return default
-    value = raw[key]
+def _strip(tp):
+    return next(a for a in typing.get_args(tp) if a is not type(None)) if _optional(tp) else tp
+
+
+def _several(tp) -> bool:
+    return typing.get_origin(_strip(tp)) in (tuple, list)
+
+
+def _element(tp):
+    tp = _strip(tp)
+    if typing.get_origin(tp) in (tuple, list):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return args[0] if args else str
+    return tp
+
+
+def _coerce(key: str, value, tp):
+    """One TOML value as the field's element type (an int is a float where a number is wanted; a bool is no int)."""
+    kind = _element(tp)
+    what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in (int, float, str, bool) and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        raise SpecError(f"{key}: expected {what}, got {value!r}")
+    return value
+
+
+def _value_lists(key: str, value, tp) -> list:
+    """The values a key sweeps over (a one-element list when it does not sweep)."""
+    if _several(tp):
+        lists = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
+        return [tuple(_coerce(key, v, tp) for v in (vs if isinstance(vs, list) else [vs])) for vs in lists]
     values = value if isinstance(value, list) else [value]
-    # bool is an int subclass in Python; TOML's true must not pass as K = 1
-    ok = values and all(isinstance(v, kind) and not (kind is not bool and isinstance(v, bool)) and check(v)
-                        for v in values)
-    if not ok:
-        raise SpecError(f"{key}: expected {what} or a non-empty list of them, got {value!r}")
+    if not values:
+        raise SpecError(f"{key}: an empty list; give a value or a non-empty list of them")
+    values = [_coerce(key, v, tp) for v in values]
     if len(set(map(repr, values))) != len(values):
         raise SpecError(f"{key}: {value!r} lists a value twice; list each once")
     return values
 
 
-def _one(raw: dict, key: str, kind, what: str, default, check=lambda v: True):
-    if key not in raw:
-        return default
-    value = raw[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)) or not check(value):
-        raise SpecError(f"{key}: expected {what}, got {value!r}")
-    return float(value) if float in kinds else value
+def _policy_options(key: str, table) -> tuple[str, ...]:
+    """``[policy_options.POLICY]`` tables as ``--policy-option POLICY:KEY=VALUE`` strings."""
+    if not isinstance(table, dict) or not all(isinstance(t, dict) for t in table.values()):
+        raise SpecError(f"{key}: expected a table of tables, e.g. [policy_options.h2o] then key = value lines")
+    return tuple(f"{pol}:{k}={v!r}" for pol, opts in table.items() for k, v in opts.items())
 
 
-def _positive(v) -> bool:
-    return v > 0
+def _other_kinds(probe: str) -> list[str]:
+    """The other kinds a grid can run (for hints)."""
+    out = []
+    for k in sorted(units.KINDS):
+        try:
+            if k != probe and units.kind(k).plan is not None:
+                out.append(k)
+        except (ImportError, AttributeError):  # a kind that cannot load here gives no hint
+            continue
+    return out
 
 
-def read_spec(path: "str | Path") -> Spec:
-    """Parse and check a spec file's keys, types and values (no model is loaded)."""
+def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: bool = False) -> Spec:
+    """Parse and check a spec file into the probe's configurations (no model is loaded); ``out``: the grid's
+    directory (each configuration writes under ``out/<probe>/``, figures under ``out/figures/``)."""
     path = Path(path)
     if not path.exists():
         raise SpecError(f"spec: no file {path}; give a TOML file (see examples/grid_copy.toml)")
@@ -156,73 +154,63 @@ def read_spec(path: "str | Path") -> Spec:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"spec: {path} is not valid TOML ({exc})") from None
-    probe = raw.get("probe")
+    probe = raw.pop("probe", None)
     if probe is None:
-        raise SpecError('probe: missing; add probe = "accuracy" or probe = "passcode"')
-    if probe not in PROBES:
-        raise SpecError(f"probe: {probe!r} is not a grid probe; choose from {', '.join(PROBES)} (the other probes run "
-                        "on one machine: python -m probes.<name>)")
-    allowed = COMMON | ONLY[probe]
-    for key in raw:
-        if key not in allowed:
-            other = next((p for p, keys in ONLY.items() if key in keys), None)
-            hint = (f"it belongs to probe = \"{other}\"" if other else
-                    f"known keys for probe = \"{probe}\": {', '.join(sorted(allowed))}")
-            raise SpecError(f"{key}: not a key of a grid with probe = \"{probe}\"; {hint}")
-    int_pos = "a positive integer"
-    spec = Spec(
-        path=path, probe=probe,
-        models=_list(raw, "models", str, "a model (hub id, directory or 'smollm2-135m')", [randattn.DEFAULT_MODEL]),
-        policies=_list(raw, "policies", str, "a policy name or MODULE:CALLABLE",
-                       [FULL, *randattn.COMPARED_POLICIES] if probe == "accuracy" else list(randattn.COMPARED_POLICIES)),
-        budgets=_list(raw, "budgets", int, int_pos, None, _positive),
-        buffers=_list(raw, "buffers", int, int_pos, None, _positive),
-        protect_prompt=_list(raw, "protect_prompt", bool, "true or false", [True]),
-        seeds=_list(raw, "seeds", int, "an integer", [0]),
-        batch=_one(raw, "batch", int, int_pos, 32 if probe == "accuracy" else 8, _positive),
-        device=_one(raw, "device", str, "'auto', 'cpu' or 'cuda'", "auto"),
-        stats=_one(raw, "stats", str, "a TriAttention statistics file", None),
-        policy_options=_one(raw, "policy_options", dict, "a table of tables, e.g. [policy_options.h2o]", {}),
-    )
-    if probe == "accuracy":
-        spec.task = _one(raw, "task", str, "a task name", "copy")
-        spec.data = _one(raw, "data", str, "a JSONL file path", None)
-        spec.runs = _one(raw, "runs", int, int_pos, 3, _positive)
-        spec.problems = _one(raw, "problems", int, int_pos, None, _positive)
-        spec.max_new_tokens = _one(raw, "max_new_tokens", int, int_pos, None, _positive)
-        spec.temperature = _one(raw, "temperature", (int, float), "a number >= 0 (0 = greedy)", 0.0, lambda v: v >= 0)
-        spec.top_p = _one(raw, "top_p", (int, float), "a number in (0, 1]", 1.0, lambda v: 0 < v <= 1)
-        if spec.top_p != 1.0 and spec.temperature == 0:
-            raise SpecError("top_p: applies only when sampling; with temperature = 0 (greedy) it is ignored: set "
-                            "temperature > 0 too, or drop top_p")
-    else:
-        spec.rounds = _list(raw, "rounds", int, int_pos, [57], _positive)
-        spec.instances = _one(raw, "instances", int, int_pos, 16, _positive)
-        spec.box_width = _one(raw, "box_width", int, int_pos, 20, _positive)
-        spec.traces = _one(raw, "traces", str, "a traces JSONL path", None)
-        spec.references = _one(raw, "references", bool, "true or false", True)
-    _check_policies(spec)
-    return spec
-
-
-def _check_policies(spec: Spec) -> None:
-    extra = (FULL,) if spec.probe == "accuracy" else ()
+        raise SpecError(f'probe: missing; add probe = "accuracy" (kinds: {", ".join(sorted(units.KINDS))})')
     try:
-        for pol in spec.policies:
-            check_policy("policies", pol, extra=extra)
-    except ConfigError as exc:
-        raise SpecError(f"policies: {exc.message}") from None
-    if spec.probe == "passcode" and FULL in spec.policies:
-        raise SpecError("policies: 'full' is not a passcode policy; full attention is one of the references "
-                        "(references = true puts it in Random's file)")
-    for pol, opts in spec.policy_options.items():
-        if not isinstance(opts, dict):
-            raise SpecError(f"policy_options.{pol}: expected a table of options, e.g. [policy_options.{pol}] then "
-                            "key = value lines")
+        kind = units.kind(probe) if isinstance(probe, str) else units.kind(repr(probe))
+    except KeyError as exc:
+        raise SpecError(f"probe: {exc.args[0]} (the other probes run on one machine: python -m probes.<name>)") from None
+    if kind.plan is None:
+        raise SpecError(f"probe: {probe!r} only runs the units other probes plan; name a probe (kinds: "
+                        f"{', '.join(_other_kinds(probe))})")
+    fields = _fields(kind.config)
+    keys, swept, fixed = {}, [], {}
+    first = [k for k in ("models", "model") if k in raw]
+    raw = {**{k: raw.pop(k) for k in first}, **raw}  # models sweep first
+    for key, value in raw.items():
+        name = key if key in fields else PLURALS.get(key)
+        if key == "policy_options" and "policy_option" in fields:
+            name, value = "policy_option", list(_policy_options(key, value))
+        if name == "policy" and name not in fields and "policies" in fields:
+            name = "policies"
+        if key in COMMAND:
+            raise SpecError(f"{key}: set by the grid command (--out, --no-figure), not in a spec")
+        if name not in fields:
+            others = [k for k in _other_kinds(probe) if {key, PLURALS.get(key)} & set(_fields(units.kind(k).config))]
+            hint = (f"it belongs to probe = \"{others[0]}\"" if others else
+                    f"known keys for probe = \"{probe}\": {', '.join(sorted(fields))}")
+            raise SpecError(f"{key}: not a key of a grid with probe = \"{probe}\"; {hint}")
+        keys[name] = key
+        tp = fields[name][0]
+        if probe == "accuracy" and name == "protect_prompt" and isinstance(value, list):
+            both = sorted(set(value)) == [False, True]
+            if both:
+                if "protocol" in raw:
+                    raise SpecError("protect_prompt: [true, false] is protocol = \"matched\"; drop one of the keys")
+                keys["protocol"] = key
+                fixed["protocol"] = "matched"
+                continue
+            value = value[0] if len(value) == 1 else value
+        values = _value_lists(key, value, tp)
+        if len(values) == 1:
+            fixed[name] = values[0]
+        else:
+            swept.append((name, values))
+    device = fixed.get("device", "auto")
+    configs = []
+    grid_dir = Path(out) if out is not None else None
+    place = {} if grid_dir is None else {"out": str(grid_dir / kind.results), "figure_dir": str(grid_dir / "figures")}
+    for combo in itertools.product(*(values for _, values in swept)):
+        values = {**fixed, **dict(zip((n for n, _ in swept), combo)), **place, "no_figure": not figures}
         try:
-            randattn.make_policy(pol, **opts)
-        except (ValueError, TypeError, FileNotFoundError) as exc:
-            raise SpecError(f"policy_options.{pol}: {exc}") from None
+            config = kind.config(**values)
+            if kind.grid_folder is not None and grid_dir is not None:
+                config = config.replace(out=str(Path(config.out) / kind.grid_folder(config)))
+        except ConfigError as exc:
+            raise SpecError(f"{keys.get(exc.field, exc.field)}: {exc.message}") from None
+        configs.append(config)
+    return Spec(path, probe, configs, device, keys)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -234,16 +222,13 @@ def embedded_name(name: str) -> Optional[str]:
     return key if key in _EMBEDDED else None
 
 
-def check_model(name: str, key: str = "models"):
-    """Tokenizer, ``(KV heads, layers)`` and a weightless stand-in (its config, which embedded model it is) that
-    policies can :meth:`~randattn.Policy.bind` to, read on the driver without loading weights (it plans batches by
-    prompt length and refuses policies that cannot serve the model); anything unloadable is a :class:`SpecError`
-    naming ``key``."""
-    from transformers import AutoConfig, AutoTokenizer
+def check_model(name: str, key: str = "models") -> ModelInfo:
+    """The model as a plan sees it (tokenizer, config, generation config, which embedded model it is), read on the
+    driver without loading weights: it plans batches by prompt length and refuses policies that cannot serve the
+    model. Anything unloadable is a :class:`SpecError` naming ``key``."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from randattn.models import _converted_embedded, _looks_like_path
-
-    from .planted import model_shape
 
     fix = (f"give a local directory with config.json, tokenizer and weights, a hub id this machine can reach, or "
            f"'{randattn.DEFAULT_MODEL}' (the embedded model)")
@@ -263,13 +248,34 @@ def check_model(name: str, key: str = "models"):
     except Exception as exc:  # missing, gated, offline, not a causal LM: all mean "cannot plan with this model"
         first = (str(exc).splitlines() or [""])[0][:200]
         raise SpecError(f"{key}: cannot load {name!r} here ({type(exc).__name__}: {first}); {fix}") from None
-    stand_in = SimpleNamespace(config=config, _randattn_embedded=embedded)
-    return tok, model_shape(stand_in), stand_in
-
-
-def bind_check(spec: "Spec", model: str, stand_in, options: dict) -> None:
-    """Every policy of the spec, with its options, binds to the model (e.g. TriAttention has statistics for it)."""
     try:
-        bind_policies("policies", [p for p in spec.policies if p != FULL], stand_in, lambda pol: options.get(pol, {}))
-    except ConfigError as exc:
-        raise SpecError(f"policies (for {model}): {exc.message} (in a spec: stats = \"stats.pt\")") from None
+        generation = GenerationConfig.from_pretrained(source)
+    except Exception:  # no generation_config.json: the model's defaults (greedy)
+        generation = None
+    return ModelInfo(name, tok, config, embedded=embedded, generation_config=generation)
+
+
+def plans(spec: Spec) -> list:
+    """Every configuration of the spec planned on its model (read once per model, without weights); a refusal is
+    a :class:`SpecError` naming the spec's key."""
+    models = {m: check_model(m, spec.key_of("model") if "model" in spec.keys else "models") for m in spec.models}
+    names = [Path(m).name for m in models]
+    clash = next((n for n in names if names.count(n) > 1), None)
+    if clash:
+        raise SpecError(f"models: two models end in {clash!r}, so their result files would share a name; copy or "
+                        "link one under another directory name")
+    kind = units.kind(spec.probe)
+    out = []
+    for config in spec.configs:
+        try:
+            out.append(kind.plan(config, models[config.model or randattn.DEFAULT_MODEL]))
+        except ConfigError as exc:
+            raise SpecError(f"{spec.key_of(exc.field)}: {exc.message}") from None
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            raise SpecError(f"{spec.probe}: {exc}") from None
+    paths = [o.path for p in out for o in p.outputs]
+    twice = next((p for p in paths if paths.count(p) > 1), None)
+    if twice:
+        raise SpecError(f"{spec.probe}: two combinations of the spec write {twice}; a swept key the file name does "
+                        "not carry cannot vary in one grid (split the spec)")
+    return out

@@ -14,7 +14,9 @@ A probe *kind* is three functions and its config class, registered here by name 
 - ``run_unit(model, tok, unit)`` runs on a worker with the model loaded; it reads only ``unit.work`` (JSON-able or
   picklable inputs the plan put there) and yields one list of rows per part of the unit (``unit.parts``, in order:
   a planted-fact batch yields each condition's rows as it finishes; most units have one part). Each row carries
-  its key fields. :func:`unit_rows` collects them into one list.
+  its key fields. :func:`unit_rows` collects them into one list. ``Unit.kind`` names the kind whose ``run_unit``
+  runs it: the planted-fact probes plan and merge their own way but all plan units of the runner kind ``planted``
+  (``probes.planted_run``: a batch of instances replayed under conditions).
 - ``merge(plan, rows, figures) -> list[Path]`` turns the rows of each output (``{output path: rows}``, in plan
   order) into the probe's summaries, tables and figures, printing its summary; returns the files written.
 
@@ -33,7 +35,7 @@ Backends run units and never know which probe they belong to:
 - ``probes.grid`` with ``probes.grid_backends`` (``--backend local|ray``): the same units from a TOML spec of any
   registered kind, each finished item written once to ``DIR/items/`` by the driver (a Ray actor per worker returns
   rows, never writes), then merged into the files :func:`run_local` writes, row for row and in the same order
-  (:func:`ordered_rows`), and the kind's ``merge``.
+  (each item keeps its rows' places among its unit's rows), and the kind's ``merge``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from tqdm.auto import tqdm
 
 __all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
-           "run_local", "unit_rows", "ordered_rows", "rows_of_item"]
+           "run_local", "unit_rows", "rows_of_item", "write_rows"]
 
 
 def stable_id(*parts: Any) -> str:
@@ -156,17 +158,20 @@ class Kind:
 
     name: str
     config: type
-    plan: Callable[[Any, "ModelInfo"], Plan]
+    plan: Optional[Callable[[Any, "ModelInfo"], Plan]]  # None: a runner only, for units other kinds plan
     run_unit: Callable[[Any, Any, Unit], Iterable[list[dict]]]
-    merge: Callable[[Plan, dict, bool], list]
+    merge: Optional[Callable[[Plan, dict, bool], list]]
     results: str = ""  # the folder under data/results/ (default: the name)
+    grid_folder: Optional[Callable[[Any], str]] = None  # a grid's subfolder of DIR/<results>/ for one config
 
     def __post_init__(self):
         self.results = self.results or self.name
 
 
 #: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
-KINDS: dict[str, str] = {"accuracy": "probes.accuracy", "passcode": "probes.passcode"}
+KINDS: dict[str, str] = {name: f"probes.{name}" for name in ("accuracy", "passcode", "head_pooling", "scatter",
+                                                              "two_facts")}
+KINDS["planted"] = "probes.planted_run"  # the runner of every planted-fact probe's units
 _LOADED: dict[str, Kind] = {}
 
 
@@ -232,16 +237,6 @@ def rows_of_item(unit: Unit, item: dict, rows: list[dict]) -> list[dict]:
     return [r for r in rows if all(r.get(f) == v for f, v in item.items())]
 
 
-def ordered_rows(unit: Unit, rows: list[dict]) -> list[dict]:
-    """A unit's rows in the order :func:`run_local` writes them: part by part, item by item within a part."""
-    out = []
-    for part in unit.parts:
-        in_part = [r for r in rows if all(r.get(f) == v for f, v in part.items())]
-        for item in unit.items:
-            out += rows_of_item(unit, item, in_part)
-    return out
-
-
 def open_files(plan: Plan, *, restart: bool = False) -> dict:
     """``{output path: ResultsFile}`` for every output of the plan (refusing, naming ``out``, a file that is not ours
     or holds another configuration, before anything runs)."""
@@ -261,7 +256,6 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
               files: Optional[dict] = None) -> dict:
     """Run every pending unit of ``plan`` (and of its further stages) here, appending each part's rows to its
     results file as it finishes; returns ``{output path: ResultsFile}``."""
-    k = kind(plan.kind)
     files = dict(files or {})
     while True:
         fresh = [o for o in plan.outputs if o.path not in files]
@@ -282,8 +276,8 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
         if todo:
             bar = tqdm(total=total, initial=total - left, desc=desc or plan.kind, unit="batch")
             try:
-                for u in todo:
-                    for rows in k.run_unit(model, tok, u):
+                for u in todo:  # a unit's kind names its runner (the planted-fact probes share one)
+                    for rows in kind(u.kind).run_unit(model, tok, u):
                         files[u.output].append(rows)
                         bar.update(1)
             finally:
@@ -291,3 +285,16 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
         if plan.then is None:
             return files
         plan = plan.then({path: rf.rows for path, rf in files.items()})
+
+
+def write_rows(output: Output, rows: list[dict]) -> None:
+    """Write a merged result file in :class:`~probes.results.ResultsFile`'s format (config in every row), replacing
+    it atomically (a temporary file, then ``os.replace``), and only over a file of ours."""
+    from .results import ResultsFile, check_ours
+
+    path = Path(output.path)
+    check_ours(path, output.key)  # a merge replaces the file: never one the user put there
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    ResultsFile(tmp, output.config, output.key).append(rows)
+    tmp.replace(path)

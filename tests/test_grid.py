@@ -3,6 +3,7 @@ equal to the local one, a killed worker then a rerun with no duplicates or losse
 any work. Tiny 3-KV-head model with the real tokenizer (``tiny_dir``), a handful of items, short generations."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -67,48 +68,77 @@ def _merged(out, probe="accuracy"):
 
 
 # -- spec and plan ----------------------------------------------------------------------------------
+def _units(chains):
+    return [u for c in chains for u in c.units]
+
+
+def _items(chains):
+    return [i for u in _units(chains) for i in u.ids]
+
+
 def test_spec_expands_into_batches_with_stable_ids(tiny_dir, tmp_path):
     spec = _acc_spec(tmp_path, tiny_dir)
-    _, plan = grid.make_plan(spec)
-    assert len(plan.items) == 12 and len(set(plan.items)) == 12 and len(plan.units) == 8
-    assert all(len(u.items) <= 2 and len({k["policy"] for k in u.keys}) == 1 for u in plan.units)
-    keys = {(k["problem"], k["run"], k["policy"]) for u in plan.units for k in u.keys}
+    _, chains = grid.make_plan(spec)
+    units = _units(chains)
+    assert len(_items(chains)) == 12 and len(set(_items(chains))) == 12 and len(units) == 8
+    assert all(len(u.items) <= 2 and u.fixed["budget"] == (None if u.fixed["policy"] == "full" else 224) for u in units)
+    keys = {(k["problem"], k["run"], u.fixed["policy"]) for u in units for k in u.items}
     assert keys == {(f"copy-{i}", run, pol) for i in range(3) for pol, runs in
                     (("full", 1), ("random", 2), ("recency", 1)) for run in range(runs)}
-    assert grid.make_plan(spec)[1].items == plan.items  # the same spec gives the same ids
+    assert _items(grid.make_plan(spec)[1]) == _items(chains)  # the same spec gives the same ids
     # more problems: finished batches keep their ids, only the last partial batch and the new ones are new work
-    wider = grid.make_plan(_acc_spec(tmp_path, tiny_dir, problems=4, name="wider.toml"))[1]
-    kept = {u.id for u in plan.units} & {u.id for u in wider.units}
-    assert len(kept) == 4 and all(len(u.items) == 2 for u in plan.units if u.id in kept)
+    wider = _units(grid.make_plan(_acc_spec(tmp_path, tiny_dir, problems=4, name="wider.toml"))[1])
+    kept = {u.id for u in units} & {u.id for u in wider}
+    assert len(kept) == 4 and all(len(u.items) == 2 for u in units if u.id in kept)
     # anything that changes the rows changes every id
     longer = grid.make_plan(_acc_spec(tmp_path, tiny_dir, max_new_tokens=30, name="longer.toml"))[1]
-    assert not set(longer.items) & set(plan.items)
+    assert not set(_items(longer)) & set(_items(chains))
 
     _, pc = grid.make_plan(_spec(tmp_path, PASSCODE, model=tiny_dir))
-    assert len(pc.items) == 3 * 3 and len(pc.units) == 3 * 2 and len(pc.outputs) == 3
-    assert {u.keys[0]["policy"]: u.keys[0]["conditions"] for u in pc.units} == {
-        "random": ["policy", "kept", "full"], "recency": ["policy"], "h2o": ["policy"]}
+    assert len(_items(pc)) == 3 * 3 + 2 * 3 and len(pc[0].outputs) == 3  # the references: 3 instances x 2 more
+    # the units of probes.passcode's own run, in its order: each policy's batches, then Random's references
+    assert [(u.output.split("-")[1], u.parts[0]["condition"]) for u in _units(pc)] == [
+        ("random", "policy")] * 2 + [("random", "kept")] * 2 + [("random", "full")] * 2 + [
+        ("recency", "policy")] * 2 + [("h2o", "policy")] * 2
+
+
+def test_any_accuracy_option_is_a_key(tiny_dir, tmp_path):
+    """``protocol = "grid"`` and every other accuracy flag are spec keys, checked by the accuracy Config itself."""
+    text = ACCURACY.format(model=tiny_dir, problems=2, max_new_tokens=16) + 'protocol = "grid"\npack = true\n'
+    spec, chains = grid.make_plan(_spec(tmp_path, text))
+    (config,) = spec.configs
+    assert (config.protocol, config.pack, config.runs) == ("grid", True, 2)
+    (chain,) = chains
+    assert chain.outputs[0].path.endswith("-packed-s0.jsonl")
+    # the grid protocol runs each baseline in its native mode: recency protected, like Random
+    assert {(u.fixed["policy"], u.fixed["protect_prompt"]) for u in chain.units} == {
+        ("full", None), ("random", True), ("recency", True)}
 
 
 def test_example_specs_parse():
     copy = read_spec("examples/grid_copy.toml")
-    assert copy.probe == "accuracy" and copy.task == "copy" and copy.models == ["smollm2-135m"]
+    (config,) = copy.configs
+    assert copy.probe == "accuracy" and config.task == "copy" and copy.models == ["smollm2-135m"]
     paper = read_spec("examples/grid_math500.toml")
-    assert (paper.task, paper.budgets, paper.buffers, paper.max_new_tokens) == ("math500", [1024], [64], 32768)
-    assert paper.protect_prompt == [True, False]
+    (config,) = paper.configs
+    assert (config.task, config.budget, config.buffer, config.max_new_tokens) == ("math500", (1024,), 64, 32768)
+    assert config.protocol == "matched"
 
 
 @pytest.mark.parametrize("line,message", [
-    ('policies = ["random", "nope"]', "policies: 'nope' is unknown; choose from full, h2o"),
+    ('policies = ["random", "nope"]', "policies: 'nope' is unknown; choose from h2o"),
     ('policies = ["random", "no_such_module:score"]', "cannot import 'no_such_module'"),
-    ('task = "math5000"', "task: 'math5000' unknown; choose from math500"),
+    ('task = "math5000"', "task: must be one of math500, aime"),
     ('models = ["/no/such/model"]', "models: '/no/such/model' is not a directory; give a local directory"),
-    ('budgets = [100]', "budgets: K=100 cannot hold the protected 213-token prompt"),
-    ('budgets = [0]', "budgets: expected a positive integer"),
-    ('runs = true', "runs: expected a positive integer, got True"),
+    ('budgets = [100]', "budgets: T=100 cannot hold the protected 213-token prompt plus one slot beside the recent "
+                        "window of r=16; use T >= 230"),
+    ('budgets = [0]', "budgets: must be a positive integer, got 0"),
+    ('runs = true', "runs: expected an integer, got True"),
+    ('protocol = "native"', "protocol: must be one of protected, score-only, matched, grid"),
+    ('out = "elsewhere"', "out: set by the grid command"),
     ('polices = ["random"]', "polices: not a key of a grid with probe = \"accuracy\""),
     ('rounds = [5]', "rounds: not a key of a grid with probe = \"accuracy\"; it belongs to probe = \"passcode\""),
-    ('[policy_options.h2o]\nrecent = 3', "policy_options.h2o: policy 'h2o' does not take option(s) ['recent']"),
+    ('[policy_options.h2o]\nrecent = 3', "policy_options: for h2o: policy 'h2o' does not take option(s) ['recent']"),
 ])
 def test_bad_specs_stop_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch, line, message):
     import randattn
@@ -124,8 +154,8 @@ def test_bad_specs_stop_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch,
 
 
 def test_bad_probe_and_flags(tmp_path, capsys):
-    with pytest.raises(SpecError, match="probe: 'head_pooling' is not a grid probe; choose from accuracy, passcode"):
-        read_spec(_spec(tmp_path, 'probe = "head_pooling"\n'))
+    with pytest.raises(SpecError, match="probe: 'nothing' is not a probe kind; choose from accuracy"):
+        read_spec(_spec(tmp_path, 'probe = "nothing"\n'))
     for flags, message in ((["--address", "auto"], "--address needs --backend ray"),
                            (["--workers", "2"], "--workers needs --backend ray")):
         with pytest.raises(SystemExit):
@@ -170,12 +200,52 @@ def test_passcode_grid_writes_what_probes_passcode_writes(tiny_dir, tmp_path):
     assert passcode.main(["--model", tiny_dir, "--out", str(single), "--no-figure", "--instances", "3", "--batch", "2",
                           "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
                           "--policies", "random", "recency", "h2o"]) == 0
-    (combo,) = (out / "passcode").iterdir()
+    (combo,) = (out / "passcode").iterdir()  # one folder per geometry, as python -m probes.passcode --out writes it
     for policy in ("random", "recency", "h2o"):  # the same file names as the single-machine run's
         (grid_file,) = combo.glob(f"*-{policy}-K96-*.jsonl")
-        assert _measured(_rows(grid_file)) == _measured(_rows(single / grid_file.name))
-    summary = f"summary-{combo.name}.csv"
-    assert (combo / summary).read_text() == (single / summary).read_text()
+        assert _measured(_rows(grid_file)) == _measured(_rows(single / grid_file.name))  # same rows, same order
+    (summary,) = combo.glob("summary-*.csv")
+    assert summary.name == f"summary-{Path(tiny_dir).name}-K96-r16-n5-s0-protected.csv"
+    assert summary.read_text() == (single / summary.name).read_text()
+
+
+PLANTED = """
+probe = "{probe}"
+models = ["{model}"]
+budget = 64
+buffer = 12
+distance = 90
+batch = 2
+instances = 3
+"""
+PLANTED_FLAGS = ["--budget", "64", "--buffer", "12", "--distance", "90", "--batch", "2", "--instances", "3",
+                 "--parity", "0", "--no-figure"]
+
+
+def _single(probe, tiny_dir, out):
+    """The rows and summaries ``python -m probes.<probe>`` writes for the PLANTED spec's settings."""
+    import importlib
+
+    assert importlib.import_module(f"probes.{probe}").main(["--model", tiny_dir, "--out", str(out),
+                                                             *PLANTED_FLAGS]) == 0
+    return {p.name: (_measured(_rows(p)) if p.suffix == ".jsonl" else p.read_text()) for p in sorted(out.iterdir())
+            if p.suffix in (".jsonl", ".csv")}
+
+
+def _grid_files(out, probe):
+    folder = out / probe
+    return {p.name: (_measured(_rows(p)) if p.suffix == ".jsonl" else p.read_text()) for p in sorted(folder.iterdir())
+            if p.suffix in (".jsonl", ".csv")}
+
+
+@pytest.mark.parametrize("probe", ["head_pooling", "scatter", "two_facts"])
+def test_planted_probes_on_a_grid_write_their_command_lines_files(probe, tiny_dir, tmp_path):
+    """Any registered kind runs on a grid: the planted-fact probes' rows and summaries equal their command line's
+    (its parity pre-check aside, which runs only on a command line)."""
+    out = tmp_path / "grid"
+    assert _grid(_spec(tmp_path, PLANTED, probe=probe, model=tiny_dir), out) == 0
+    files = _grid_files(out, probe)
+    assert len(files) == 2 and files == _single(probe, tiny_dir, tmp_path / "single")
 
 
 def test_a_failing_unit_is_reported_and_a_rerun_completes(tiny_dir, tmp_path, capsys, monkeypatch):
@@ -184,12 +254,12 @@ def test_a_failing_unit_is_reported_and_a_rerun_completes(tiny_dir, tmp_path, ca
     assert _grid(spec, out) == 1
     text = capsys.readouterr().out
     assert "INCOMPLETE" in text and "injected failure at unit 3" in text
-    _, plan = grid.make_plan(spec)
-    missing = set(plan.items) - ItemStore(out).done()
-    assert missing == set(plan.units[2].items)
+    _, chains = grid.make_plan(spec)
+    missing = set(_items(chains)) - ItemStore(out).done()
+    assert missing == set(_units(chains)[2].ids)
     monkeypatch.delenv(FAIL_ENV)
     assert _grid(spec, out) == 0
-    assert set(plan.items) == ItemStore(out).done()
+    assert set(_items(chains)) == ItemStore(out).done()
     (rows,) = _merged(out).values()
     assert len(rows) == 12 and len({(r["problem"], r["run"], r["policy"]) for r in rows}) == 12
 
@@ -230,10 +300,10 @@ def test_killed_ray_worker_loses_its_unit_only_and_a_rerun_completes(local_ray, 
     monkeypatch.setenv(FAIL_ENV, f"at=2,how=exit,once={tmp_path / 'killed'}")
     assert _grid(spec, out, "--backend", "ray", "--retries", "0") == 1
     assert "worker died" in capsys.readouterr().out
-    _, plan = grid.make_plan(spec)
+    _, chains = grid.make_plan(spec)
     done = ItemStore(out).done()
-    lost = [u for u in plan.units if not set(u.items) <= done]
-    assert len(lost) == 1 and set(plan.items) - done == set(lost[0].items)  # only the unit in flight
+    lost = [u for u in _units(chains) if not set(u.ids) <= done]
+    assert len(lost) == 1 and set(_items(chains)) - done == set(lost[0].ids)  # only the unit in flight
     before = {p: p.read_bytes() for p in (out / "items").rglob("*.json")}
     assert not list((out / "items").rglob("*.tmp"))
 
@@ -250,3 +320,31 @@ def test_crashed_ray_worker_is_restarted_and_its_unit_retried(local_ray, local_r
     assert _grid(_acc_spec(tmp_path, tiny_dir), out, "--backend", "ray", "--retries", "1") == 0
     assert marker.exists()  # a worker did crash
     assert _merged(out) == local_rows
+
+
+@pytest.mark.parametrize("probe", ["passcode", "head_pooling"])
+def test_ray_backend_runs_any_kind_with_the_command_lines_rows(probe, local_ray, tiny_dir, tmp_path, capsys):
+    out = tmp_path / "grid"
+    if probe == "passcode":
+        assert _grid(_spec(tmp_path, PASSCODE, model=tiny_dir), out, "--backend", "ray") == 0
+        assert passcode_files(out) == passcode_files(_single_passcode(tiny_dir, tmp_path / "single"), grid=False)
+    else:
+        assert _grid(_spec(tmp_path, PLANTED, probe=probe, model=tiny_dir), out, "--backend", "ray") == 0
+        assert _grid_files(out, probe) == _single(probe, tiny_dir, tmp_path / "single")
+    assert "2 Ray workers" in capsys.readouterr().out
+
+
+def _single_passcode(tiny_dir, single):
+    from probes import passcode
+
+    assert passcode.main(["--model", tiny_dir, "--out", str(single), "--no-figure", "--instances", "3", "--batch", "2",
+                          "--parity", "0", "--budget", "96", "--buffer", "16", "--rounds", "5",
+                          "--policies", "random", "recency", "h2o"]) == 0
+    return single
+
+
+def passcode_files(out, grid=True):
+    """The passcode's rows and summary files by name (a grid's under its one geometry folder)."""
+    folder = next((out / "passcode").iterdir()) if grid else out
+    return {p.name: (_measured(_rows(p)) if p.suffix == ".jsonl" else p.read_text()) for p in sorted(folder.iterdir())
+            if p.suffix in (".jsonl", ".csv")}

@@ -104,14 +104,14 @@ def test_a_worker_node_removed_mid_grid_is_survived_with_the_local_rows(cluster,
 
 DRIVER = """
 import os, signal, sys
-import probes.grid_kinds as kinds
-original = kinds.ResultsFile.append
+from probes.results import ResultsFile
+original = ResultsFile.append
 def append_then_die(self, rows):
     written = original(self, rows)
     if self.path.name.endswith(".tmp"):  # the merged file's copy is on disk, the file itself not yet replaced
         os.kill(os.getpid(), signal.SIGKILL)
     return written
-kinds.ResultsFile.append = append_then_die
+ResultsFile.append = append_then_die
 from probes import grid
 sys.exit(grid.main(sys.argv[1:]))
 """
