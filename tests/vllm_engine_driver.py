@@ -4,7 +4,8 @@ through the HF ``EvictingCache``, and write what both did as JSON (tests/test_vl
     .venv-vllm/bin/python tests/vllm_engine_driver.py CASE.json OUT.json
 
 CASE: ``{"model": folder, "engine": additional_config['randattn'], "requests": [{"prompt_ids": [...], "key":
-str|null, "max_tokens": n}], "block_size": 32, "hf": true, "max_num_batched_tokens": null}``. A request's key
+str|null, "max_tokens": n}], "block_size": 32, "hf": true, "alone": false, "in_process": true}``; ``"mode":
+"refusals"`` (with ``"long_prompt_ids"``) runs the refusal checks instead. A request's key
 goes to ``SamplingParams(extra_args={"randattn_key": key})`` and to the HF cache's ``row_keys``; with no key the
 HF side cannot know vLLM's request id, so it is not run for that request.
 
@@ -61,6 +62,38 @@ def _compare_logs(hf_log, vl_log):
     return {"hf_records": len(hf), "vllm_records": len(vl), "equal": equal, "first_difference": first}
 
 
+def _refusals(case) -> dict:
+    """A policy vLLM cannot serve is refused when the engine is made; a prompt that does not fit is refused for its
+    request alone, and a request added before it finishes."""
+    from vllm import LLM, SamplingParams
+
+    out = {}
+    common = dict(model=case["model"], dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=False,
+                  block_size=32, max_model_len=1024)
+    for policy in ("h2o", "triattention"):
+        try:
+            LLM(**common, additional_config={"randattn": {"policy": policy, "budget": 64, "buffer": 16}})
+            out[policy] = None
+        except Exception as exc:  # noqa: BLE001  (the message is what is checked)
+            out[policy] = f"{type(exc).__name__}: {exc}"
+    llm = LLM(**common, additional_config={"randattn": case["engine"]})
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=case["requests"][0]["max_tokens"], ignore_eos=True)
+    engine.add_request("good", {"prompt_token_ids": case["requests"][0]["prompt_ids"]}, sp)
+    try:
+        engine.add_request("too-long", {"prompt_token_ids": case["long_prompt_ids"]}, sp)
+        out["too_long"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["too_long"] = f"{type(exc).__name__}: {exc}"
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    out["finished"] = done
+    return out
+
+
 def main(case_path: str, out_path: str) -> int:
     with open(case_path) as f:
         case = json.load(f)
@@ -80,6 +113,10 @@ def main(case_path: str, out_path: str) -> int:
     kw = {}
     if case.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = case["max_num_batched_tokens"]
+    if case.get("mode") == "refusals":
+        with open(out_path, "w") as f:
+            json.dump(_refusals(case), f)
+        return 0
     llm = LLM(model=case["model"], dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=False,
               block_size=case.get("block_size", 32), max_model_len=case.get("max_model_len", 4096),
               additional_config={"randattn": engine}, **kw)
@@ -100,6 +137,12 @@ def main(case_path: str, out_path: str) -> int:
         path = os.path.join(log_dir, f"{name}.npz")
         vl_logs[name] = KeepLog.load(path) if os.path.exists(path) else KeepLog()
         result["requests"].append({"key": r.get("key"), "vllm_tokens": list(comp.token_ids), "vllm_logprobs": lps})
+    if case.get("alone"):  # each request again, alone in the engine: the same tokens and keep-sets as in the batch
+        for r, row, p in zip(reqs, result["requests"], params):
+            comp = llm.generate([{"prompt_token_ids": r["prompt_ids"]}], [p], use_tqdm=False)[0].outputs[0]
+            name = r.get("key")
+            alone_log = KeepLog.load(os.path.join(log_dir, f"{name}.npz"))
+            row.update(alone_tokens=list(comp.token_ids), alone_keep=_compare_logs(vl_logs[name], alone_log))
     del llm
     if case.get("hf", True):
         import randattn

@@ -74,6 +74,9 @@ def parse_config(section: Mapping[str, Any]) -> EngineConfig:
     if unknown:
         raise ValueError(f"additional_config['{SECTION}'] has unknown keys {unknown}; the keys are "
                          f"{list(_SPEC_KEYS + _PLUGIN_KEYS)}")
+    if section.get("policy") == "full":
+        raise ValueError(f"additional_config['{SECTION}']: policy 'full' means no eviction; drop the '{SECTION}' "
+                         "section to run vLLM unchanged")
     if section.get("budget") is None:
         raise ValueError(f"additional_config['{SECTION}'] needs 'budget' (T, the pairs each KV head holds after a "
                          "round), e.g. {'policy': 'random', 'budget': 1024, 'buffer': 64}")
@@ -81,9 +84,6 @@ def parse_config(section: Mapping[str, Any]) -> EngineConfig:
     if "options" in spec_kw and spec_kw["options"] is None:
         spec_kw["options"] = {}
     spec = EvictionSpec(**spec_kw)
-    if spec.is_full:
-        raise ValueError(f"additional_config['{SECTION}']: policy 'full' means no eviction; drop the '{SECTION}' "
-                         "section to run vLLM unchanged")
     log_dir = section.get("keep_log_dir")
     if log_dir is not None and not isinstance(log_dir, str):
         raise ValueError(f"additional_config['{SECTION}']['keep_log_dir'] must be a folder path string, got "

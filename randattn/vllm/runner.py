@@ -13,9 +13,10 @@
 - ``InputProcessor.__init__`` (front end, before the engine core starts): the config is read and checked
   (:func:`randattn.vllm.checks.configure`: the vLLM version, the engine settings, the plugin's scheduler) and the
   policy refused when vLLM cannot give it what it needs; ``InputProcessor._validate_prompt_len``: a prompt that does
-  not fit ``T`` under protection is refused for that request alone (``VLLMValidationError``, a ``ValueError``, the
-  error vLLM gives any invalid prompt: ``LLM.generate`` raises before any request runs, an ``LLMEngine.add_request``
-  or a server request gets its own error while the others go on).
+  not fit ``T`` under protection is refused for that request alone with ``VLLMValidationError`` (vLLM's error for an
+  invalid request, a 400 from the server), naming ``budget`` and ``protect_prompt``: an ``LLMEngine.add_request`` or
+  a server request gets its own error while the requests already added go on; ``LLM.generate`` over a list raises
+  at the first such prompt, as it does for any invalid prompt.
 
 Every hook is a no-op without a ``"randattn"`` section in ``additional_config``. The patches are version-pinned
 (:data:`randattn.vllm.checks.SUPPORTED_VLLM`): they wrap private methods, which another vLLM may change.
@@ -160,7 +161,7 @@ def _hook_front_end() -> None:
                 from vllm.exceptions import VLLMValidationError
 
                 raise VLLMValidationError(f"randattn.vllm: this request's prompt does not fit: {problem} "
-                                          "(additional_config['randattn'])")
+                                          "(additional_config['randattn'])", parameter="prompt", value=int(prompt_len))
 
     InputProcessor.__init__ = __init__
     InputProcessor._validate_prompt_len = _validate_prompt_len
