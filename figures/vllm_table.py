@@ -1,0 +1,42 @@
+"""The vLLM benchmark's table in docs/benchmarks.md and docs/vllm.md, from ``bench/vllm.json`` (``python -m bench.vllm``)."""
+
+from __future__ import annotations
+
+from figures.table_io import bench_footer, markdown, read_json
+
+REL = "bench/vllm.json"
+
+
+def command(meta: dict) -> str:
+    """The command that made the file, from its own record."""
+    hf = " ".join(str(b) for b in meta["hf_batches"])
+    return (f".venv-vllm/bin/python -m bench.vllm --requests {meta['requests']} --new-tokens {meta['new_tokens']} "
+            f"--budget {meta['budget']} --buffer {meta['buffer']} --block-size {meta['block_size']} --blocks "
+            f"{meta['blocks']} --hf-batches {hf} --threads {meta['torch_threads']}")
+
+
+def _arm(r: dict) -> str:
+    return {"vllm full": "vLLM, full attention", "vllm random": "vLLM + randattn Random"}.get(
+        r["arm"], f"HF engine (EvictingCache Random), batch {r['batch']}")
+
+
+def table() -> list[str]:
+    data = read_json(REL)
+    m, rows = data["meta"], data["rows"]
+    body = []
+    for r in rows:
+        vllm = r["arm"].startswith("vllm")
+        body.append([_arm(r), f"{r['kv_bytes'] / 2**20:,.1f}", f"{r['wall_s']:.0f} s", f"{r['total_tokens_per_s']:.1f}",
+                     f"{r['output_tokens_per_s']:.1f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
+                     f"{r['requests_finished']} / {r['batch']}",
+                     str(r["peak_blocks_used"]) if vllm else "–", str(r["max_running"]),
+                     str(r["preemptions"]) if vllm else "–", f"{r['tokens_computed']:,}" if vllm else "–"])
+    header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "× vLLM full", "finished", "peak blocks",
+              "max running", "preemptions", "tokens computed"]
+    lo, hi = m["prompt_lengths"]
+    note = (f"{m['requests']} requests × {m['new_tokens']:,} new tokens (prompts {lo}–{hi} tokens), T={m['budget']}, "
+            f"r={m['buffer']}, block size {m['block_size']}: a full-attention request needs up to "
+            f"{m['full_blocks_per_request']} blocks, a Random one {m['capped_blocks_per_request']}; both vLLM arms share a "
+            f"pool of {m['blocks']} blocks. vLLM {m['vllm']}, torch {m['torch']}, {m['torch_threads']} threads, fp32. "
+            "The HF rows run the first *b* requests as one left-padded batch (KV: the cache's own bytes).")
+    return markdown(header, body) + ["", note, "", bench_footer(REL, command(m))]
