@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import randattn
+from randattn.rules import prompt_fits_problem
 from probes.common import base_parser, positive_int  # noqa: F401  (re-exported for the scripts)
 from probes.config import ConfigError
 from probes.policy_specs import bind_policies, calibration_options, check_policy
@@ -88,9 +89,8 @@ def warm_up(model, prompt) -> None:
     """A few untimed steps first, so one-off costs (allocator, kernel selection) land in no arm's timing."""
     from transformers import DynamicCache
 
-    randattn.generate(model, prompt, randattn.EvictingCache("random", budget=prompt.shape[1] + 1, buffer=2,
-                                                            protect_prompt=False),
-                      max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    warm = randattn.EvictionSpec("random", prompt.shape[1] + 1, 2, protect_prompt=False)  # rounds run: warmed too
+    randattn.generate(model, prompt, warm.make_cache(), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                    **{randattn.cache_argument_name(model): DynamicCache()})
 
@@ -108,9 +108,12 @@ def prepare(p: argparse.ArgumentParser, argv):
 
 
 def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:
-    if args.budget <= prompt_len + args.buffer:
+    """The protected prompt fits (the one prompt-fits rule, :func:`randattn.rules.prompt_fits_problem`) and the
+    generation reaches T + r, so that rounds run; else a usage error naming ``--budget``."""
+    problem = prompt_fits_problem(prompt_len, budget=args.budget, recent=args.buffer, protect=True)
+    if problem:
         p.error(f"--budget {args.budget} cannot hold the protected {prompt_len}-token prompt plus one free slot beside "
-                f"the recent window of r={args.buffer}; use --budget >= {prompt_len + 1 + args.buffer}")
+                f"the recent window of r={args.buffer}; use --budget >= {problem.need}")
     total = prompt_len + args.new_tokens
     if total < args.budget + args.buffer:
         p.error(f"{total} tokens never reach T + r = {args.budget + args.buffer}: no eviction would run; "
@@ -170,7 +173,7 @@ def run_one(model, ids, *, policy, budget, buffer, new_tokens, seed=0, options=N
     elif policy == WINDOW:
         cache = sliding_window_cache(model, budget + buffer)
     else:
-        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, seed=seed, **(options or {})).bind(model)
+        cache = randattn.EvictionSpec(policy, budget, buffer, seed=seed, options=options or {}).make_cache().bind(model)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     peak = _PeakKV(cache) if track_peak else None
     if peak is not None:

@@ -90,8 +90,8 @@ def our_options(args) -> dict:
 
 def our_order_check(model, prompt, args, policy: str) -> dict:
     """Our cache through the same key-matching check as the peer's, plus the cache's own positions to compare."""
-    cache = randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, seed=args.seed,
-                                   **our_options(args).get(policy, {}))
+    cache = randattn.EvictionSpec(policy, args.budget, args.buffer, seed=args.seed,
+                                  options=our_options(args).get(policy, {})).make_cache()
     out = randattn.generate(model, prompt, cache, max_new_tokens=args.check_tokens, min_new_tokens=args.check_tokens,
                             do_sample=False)
     seq = out[:, :-1]

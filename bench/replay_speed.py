@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     ids = ids.to(model.device)
 
     def cache(policy):
-        return randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, seed=args.seed, keep_log=True,
-                                      **options[policy])
+        return randattn.EvictionSpec(policy, args.budget, args.buffer, seed=args.seed,
+                                     options=options[policy]).make_cache(keep_log=True)
 
     randattn.replay(model, ids[:, : prompt_len + 8], cache("random"), prompt_len=prompt_len)  # untimed warm-up
     rows = []

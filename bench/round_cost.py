@@ -108,8 +108,8 @@ def main(argv=None) -> int:
         label, h_kv, h_q, d, k, r = shape
         setups = {}
         for name in policies:
-            cache = randattn.EvictingCache(name, budget=k, buffer=r, prompt_len=args.prompt, seed=args.seed,
-                                           **_policy_options(name, shape))
+            cache = randattn.EvictionSpec(name, k, r, seed=args.seed,
+                                          options=_policy_options(name, shape)).make_cache(prompt_len=args.prompt)
             setups[name] = (cache, _filled_state(cache, h_kv, h_q, d, args.prompt, args.seed))
         floor_src = setups["random"][1]
         kept = torch.arange(k).expand(1, h_kv, k)

@@ -48,6 +48,7 @@ from analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_res
                                        warn_uncompressed)
 from analysis.files import write_text
 from analysis.names import result_name, shipped_name
+from randattn.spec import SpecError
 from randattn.stats import comparison_table
 
 from . import cli
@@ -120,6 +121,8 @@ class Config(EvictionConfig):
                                               "sandbox, with resource limits alone (they can read, write and reach "
                                               "the network as you); only where bwrap cannot be installed")
     options: dict = option({}, "resolved policy options", cli=False)
+
+    full_allowed = True
 
     def protection_of(self, policy: str) -> Optional[bool]:
         return None  # the protocol decides each arm's protection (protocol_arms)
@@ -388,7 +391,7 @@ def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
         what = f"{arm.compression:g} (T={arm.budget})" if arm.compression else f"T={arm.budget}"
         try:
             spec = randattn.EvictionSpec(arm.policy, arm.budget, buffer, protect_prompt=arm.protect)
-        except randattn.SpecError as exc:
+        except SpecError as exc:
             if exc.field != "budget":
                 raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") \
                     from None

@@ -38,6 +38,7 @@ divergence / middle of the trace); the figure maps position x (layer, head) held
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 import sys
 import time
@@ -54,9 +55,9 @@ from analysis.autopsy import held_map, location, pack_mask, span_survival, summa
 from analysis.names import result_name
 
 from . import cli
-from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
+from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load, write_csv
-from .policy_specs import bind_policies, check_policy, native_protection
+from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 from .tasks import COPY_N, copy_problem, grade_copy, problem_ids, chat_ids
 
@@ -127,7 +128,7 @@ def prompt_case(tok, prompt: str, max_new: Optional[int]) -> Case:
 # -- decoding ---------------------------------------------------------------------------------------------------
 def full_cache(length: int, keep_log: bool = False) -> randattn.EvictingCache:
     """Full attention through the same code path: a budget no round reaches."""
-    return randattn.EvictingCache("random", budget=length + 1, buffer=1, protect_prompt=False, keep_log=keep_log)
+    return randattn.EvictionSpec.full().make_cache(max_tokens=length, keep_log=keep_log)
 
 
 @torch.no_grad()
@@ -210,9 +211,14 @@ class Autopsy:
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_key_value_heads or cfg.num_attention_heads
 
+    @functools.cached_property
+    def spec(self) -> randattn.EvictionSpec:
+        """The eviction setting of the evicting run (its policy resolved once, at the first cache)."""
+        return randattn.EvictionSpec(self.policy, self.budget, self.buffer, protect_prompt=self.protect,
+                                     seed=self.seed, options=self.options)
+
     def make_cache(self, keep_log: bool = False) -> randattn.EvictingCache:
-        return randattn.EvictingCache(self.policy, budget=self.budget, buffer=self.buffer, protect_prompt=self.protect,
-                                      seed=self.seed, keep_log=keep_log, **self.options)
+        return self.spec.make_cache(keep_log=keep_log)
 
     def full_generation(self) -> list[int]:
         c = self.case
@@ -457,7 +463,11 @@ def _eos(model, tok) -> set:
 
 # -- the command line ---------------------------------------------------------------------------------------------
 @dataclass
-class Config(RunConfig):
+@eviction(policy=setting(("random",), help="policies autopsied at the same K (one results file each)"),
+          budget=setting(None, help="T: pairs each KV head holds right after a round, the newest r among them "
+                                    "(default 256)"),
+          buffer=setting(None, help="r: new pairs between rounds, the recent window (default 16)"))
+class Config(EvictionConfig):
     """Eviction autopsy: the eviction that changed the answer, proved by fork replay (``python -m probes.autopsy``)."""
 
     task: str = option("copy", "the problems: copy (probes.tasks) or recall (the question restated, as "
@@ -465,13 +475,9 @@ class Config(RunConfig):
     prompt: Optional[str] = option(None, "a raw user prompt instead of a task (chat template applied; no grader)")
     problems: int = option(8, "problems 0 .. N-1 of the task", check=POSITIVE)
     index: tuple[int, ...] = option((), "these problem indices instead of --problems", check=NONNEGATIVE)
-    policy: tuple[str, ...] = option(("random",), "policies autopsied at the same K (one results file each)")
     protection: str = option("native", "prompt protection: the mode a paper alias names (attn: score only, "
                                        "attn_pp: protected), else protected (matched protection, as the paper's "
                                        "Table 2); or the same for all", choices=PROTECTIONS)
-    budget: Optional[int] = option(None, "T: pairs each KV head holds right after a round, the newest r among them "
-                                         "(default 256)", check=POSITIVE)
-    buffer: Optional[int] = option(None, "r: new pairs between rounds, the recent window (default 16)", check=POSITIVE)
     body: int = option(256, "recall: reasoning tokens between the question and its restatement", check=POSITIVE)
     traces: Optional[str] = option(None, "recall: JSONL with 'question' and 'text' fields (default: the shipped corpus)")
     max_new: Optional[int] = option(None, "tokens generated at most (default: the task's)", check=POSITIVE)
@@ -486,16 +492,16 @@ class Config(RunConfig):
     def kind(self) -> str:
         return "prompt" if self.prompt is not None else self.task
 
-    @property
-    def T(self) -> int:
-        return self.budget or DEFAULTS[self.kind][0]
+    def __post_init__(self) -> None:
+        default_t, default_r = DEFAULTS.get("prompt" if self.prompt is not None else self.task, DEFAULTS["copy"])
+        self.budget = default_t if self.budget is None else self.budget
+        self.buffer = default_r if self.buffer is None else self.buffer
+        super().__post_init__()
 
-    @property
-    def r(self) -> int:
-        return self.buffer or DEFAULTS[self.kind][1]
+    def protection_of(self, policy: str) -> bool:
+        return self.protect(policy)
 
     def check(self) -> None:
-        check_budget(self.T, self.r)
         if self.prompt is not None and not self.prompt.strip():
             raise ConfigError("prompt", "is empty")
         if self.prompt is not None and self.index:
@@ -504,8 +510,7 @@ class Config(RunConfig):
             raise ConfigError("policy", "name at least one policy")
         if len(set(self.policy)) != len(self.policy):
             raise ConfigError("policy", f"names a policy twice: {' '.join(self.policy)}")
-        for spec in self.policy:
-            check_policy("policy", spec)
+        self.check_eviction(fields={"protect_prompt": "protection"})
 
     def indices(self) -> list[int]:
         return list(self.index) if self.index else list(range(self.problems))
@@ -534,32 +539,30 @@ def cases_of(config: Config, tok) -> list[Case]:
 
 def results_path(folder: Path, model_name: str, config: Config, spec: str, protect: bool) -> Path:
     return folder / result_name("autopsy", model=model_name, task=config.kind, policy=spec, protect_prompt=protect,
-                                budget=config.T, buffer=config.r, seed=config.seed)
+                                budget=config.budget, buffer=config.buffer, seed=config.seed)
 
 
 def summary_path(folder: Path, model_name: str, config: Config) -> Path:
-    return folder / result_name("autopsy", None, "summary", model=model_name, task=config.kind, budget=config.T,
-                                buffer=config.r, seed=config.seed)
+    return folder / result_name("autopsy", None, "summary", model=model_name, task=config.kind, budget=config.budget,
+                                buffer=config.buffer, seed=config.seed)
 
 
 def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
     """Every problem under every policy (rows resumed per problem); returns the results files."""
     folder = out_folder("autopsy", config.out)
     model, tok = load(config, None if model is None else (model, tokenizer))
-    bind_policies("policy", config.policy, model)
+    for spec in config.policy:  # every policy binds before the first runs (a policy refusing the model stops here)
+        config.bind(config.spec(spec, protect_prompt=config.protect(spec)), model)
     cases = cases_of(config, tok)
     longest = max(c.prompt_len for c in cases)
     model_name = config.model or randattn.DEFAULT_MODEL
     files = []
     for spec in config.policy:
         protect = config.protect(spec)
-        if protect and config.T < longest + 1 + config.r:
-            raise ConfigError("budget", f"T={config.T} cannot hold the {longest}-token protected prompt of {spec} plus "
-                                        f"one slot beside the recent window of r={config.r}; raise --budget or use "
-                                        "--protection score-only")
+        config.fits(config.spec(spec, protect_prompt=protect), longest, what=spec, fix="--protection score-only")
         record = {"probe": "autopsy", "engine": randattn.ENGINE, "model": model_name, "task": config.kind,
-                  "prompt": config.prompt, "policy": spec, "protect_prompt": protect, "budget": config.T,
-                  "buffer": config.r, "seed": config.seed, "body": config.body if config.kind == "recall" else None,
+                  "prompt": config.prompt, "policy": spec, "protect_prompt": protect, "budget": config.budget,
+                  "buffer": config.buffer, "seed": config.seed, "body": config.body if config.kind == "recall" else None,
                   "traces": trace_label(Path(config.traces) if config.traces else DEFAULT_TRACES)
                   if config.kind == "recall" else None, "max_new": config.max_new, "horizon": config.horizon,
                   "max_replays": config.max_replays, "window": config.window, "necessity": not config.no_necessity,
@@ -573,11 +576,11 @@ def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
     full_gens: dict = {}
     stop = _eos(model, tok)
     todo = [(rf, spec, c) for rf, spec in zip(files, config.policy) for c in cases if (c.id,) not in rf.done]
-    print(f"model {model_name} | {config.kind}: {len(cases)} problem(s) | T={config.T}, r={config.r} | policies "
+    print(f"model {model_name} | {config.kind}: {len(cases)} problem(s) | T={config.budget}, r={config.buffer} | policies "
           + ", ".join(f"{s} ({protection_tag(config.protect(s))})" for s in config.policy)
           + f" | {len(todo)} autopsies to run")
     for rf, spec, case in tqdm(todo, desc="autopsy", unit="problem"):
-        a = Autopsy(model, tok, case, policy=spec, budget=config.T, buffer=config.r, protect=config.protect(spec),
+        a = Autopsy(model, tok, case, policy=spec, budget=config.budget, buffer=config.buffer, protect=config.protect(spec),
                     seed=config.seed, options=_task_options(config, spec), horizon=config.horizon,
                     max_replays=config.max_replays, window=config.window, necessity=not config.no_necessity, stop=stop,
                     full=full_gens.get(case.id))

@@ -31,7 +31,7 @@ from analysis.names import result_name
 from analysis.planted import nll_deltas, summarize
 
 from . import cli
-from .config import POSITIVE, ConfigError, option
+from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
 from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
 from .results import ResultsFile
@@ -73,15 +73,15 @@ def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-tok
 
 def full_attention(length: int):
     """A cache no round ever reaches: full attention through the same code path."""
-    return lambda bi: randattn.EvictingCache("random", budget=length + 1, buffer=1, protect_prompt=False)
+    return lambda bi: randattn.EvictionSpec.full().make_cache(max_tokens=length)
 
 
 @dataclass
+@eviction(policy=setting("random-block", help="fixed: random-block", cli=False))
 class Config(PlantedConfig):
     """Random eviction in contiguous blocks (``python -m probes.blocks``)."""
 
     instances: int = option(24, "planted-fact instances per block size", check=POSITIVE)
-    policy: str = option("random-block", "fixed: random-block", cli=False)
     blocks: tuple[int, ...] = option((1, 4, 16, 64, 256), "block sizes (tokens)", check=POSITIVE)
     sequences: int = option(16, "trace sequences for the next-token loss", check=POSITIVE)
     length: int = option(1024, "tokens per trace sequence", check=POSITIVE)
@@ -117,9 +117,8 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
         a = config
         arms = {"full": full_attention(config.length)}
         for b in config.blocks:
-            arms[f"block{b}"] = (lambda b: lambda bi: randattn.EvictingCache(
-                "random-block", block=b, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
-                seed=a.seed * 1_000_003 + bi))(b)
+            arms[f"block{b}"] = (lambda b: lambda bi: a.spec("random-block", options={"block": b},
+                                                             seed=a.seed * 1_000_003 + bi).make_cache())(b)
         nll = run_nll(s, arms, config.sequences, config.length, nll_path(s), desc="blocks: next-token loss")
     return s, planted, nll
 

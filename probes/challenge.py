@@ -38,9 +38,8 @@ from analysis.names import result_name
 
 from . import cli
 from .challenge_parts import PARTS, REFERENCE, Context, preflight
-from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
+from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load, write_csv
-from .policy_specs import check_policy, check_stats_used
 from .results import NotOurFile, OutputFolder, git_revision
 from .tasks import TASKS
 
@@ -56,21 +55,16 @@ SIGNIFICANCE_TESTS = ("accuracy", "question recall", "planted fact", "passcode")
 
 
 @dataclass
-class Config(RunConfig):
+@eviction(policy=setting("", help="your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered name "
+                                  "(runs the file's code: load only selectors you trust)"),
+          budget=256, buffer=16, protect_prompt=True, stats=None)
+class Config(EvictionConfig):
     """The null-hypothesis challenge (``python -m probes.challenge --policy MODULE:CALLABLE``)."""
 
-    policy: str = option("", "your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered name (runs "
-                             "the file's code: load only selectors you trust)")
     baselines: tuple[str, ...] = option((), "named selectors run alongside, also against Random (e.g. snapkv rkv "
                                             "triattention)")
-    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
-                         check=POSITIVE)
-    buffer: int = option(16, "r: new pairs between rounds", check=POSITIVE)
-    protect_prompt: bool = option(True, "score only: the prompt competes with everything else, for every policy "
-                                        "(default: protected)")
     task: str = option("copy", "accuracy task", choices=tuple(TASKS))
     data: Optional[str] = option(None, "local JSONL of problems for --task (see probes/tasks.py)")
-    stats: Optional[str] = option(None, "TriAttention statistics for --model (python -m randattn.calibrate)")
     traces: Optional[str] = option(None, "JSONL with 'question' and 'text' per row: the real reasoning traces the "
                                          "probes plant into (default: the embedded model's)")
     quick: bool = option(False, "small sizes: minutes instead of tens of minutes")
@@ -90,6 +84,8 @@ class Config(RunConfig):
     restart: bool = option(False, "start afresh: earlier results in --out are moved aside to --out.previous-N (never "
                                   "deleted)")
 
+    policy_fields = ("policy", "baselines")
+
     def check(self) -> None:
         if not self.policy:
             raise ConfigError("policy", "give your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered "
@@ -97,13 +93,9 @@ class Config(RunConfig):
         if self.policy == REFERENCE:
             raise ConfigError("policy", "random is the reference every selector is measured against; give your own "
                                         "selector (MODULE:CALLABLE) or another registered name")
-        check_budget(self.budget, self.buffer)
-        check_policy("policy", self.policy)
-        for spec in self.baselines:
-            check_policy("baselines", spec)
+        self.check_eviction()
         if not self.parts:
             raise ConfigError("only", "--only/--skip leave no part to run")
-        check_stats_used(self.stats, (self.policy, *self.baselines))
 
     @property
     def parts(self) -> list[str]:

@@ -63,9 +63,8 @@ class Context:
         return calibration_options(policy, self.args.stats)
 
     def cache(self, policy: str, seed: int, **kw) -> randattn.EvictingCache:
-        a = self.args
-        return randattn.EvictingCache(policy, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
-                                      seed=seed, **self.options(policy), **kw)
+        """A cache of ``policy`` under the challenge's spec (its T, r, protection and ``--stats``), seeded ``seed``."""
+        return self.args.spec(policy, seed=seed).make_cache(**kw)
 
 
 def _mean(grades: dict) -> float:
@@ -325,7 +324,7 @@ def preflight(model, tok, policy: str, *, protect: bool, options: dict) -> Optio
     """Run the selector for a few rounds on the real model; the error text when it fails, else None."""
     ids = torch.tensor([tok("Let us check the selector on a short text before the long runs begin.",
                             add_special_tokens=False)["input_ids"][:8]], device=model.device)
-    cache = randattn.EvictingCache(policy, budget=16, buffer=4, protect_prompt=protect, **options)
+    cache = randattn.EvictionSpec(policy, 16, 4, protect_prompt=protect, options=options).make_cache()
     try:
         randattn.generate(model, ids, cache, max_new_tokens=24, min_new_tokens=24, do_sample=False,
                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)

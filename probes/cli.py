@@ -113,8 +113,8 @@ def cache_problem(model: Optional[str]) -> Optional[str]:
     after that variable rather than ``--model``; None when it can, or when ``model`` is not an embedded one."""
     from randattn import models
 
-    name = models._EMBEDDED_ALIASES.get(model or models.DEFAULT_MODEL, model or models.DEFAULT_MODEL)
-    if name not in models._EMBEDDED:
+    name = models.embedded_name(model)
+    if name is None:
         return None
     var = "RANDATTN_CACHE" if os.environ.get("RANDATTN_CACHE") else "HOME"
     root = models._cache_root()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from analysis.names import policy_slug  # noqa: F401 (a policy's spelling in result names; re-exported)
 
+from .config import SEED
+
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the flags that mean the same in every probe."""
@@ -19,17 +21,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-SEED_LIMIT = 2**64  # seeds are mixed as 64 bits (randattn.seeding)
-
-
 def seed_int(text: str) -> int:
-    """An argparse type: a seed, an integer in [0, 2**64)."""
+    """An argparse type: a seed, by the one seed check (:func:`probes.config.SEED`: an integer in [0, 2**64))."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**64), got {value}; pass a seed in range")
+    problem = SEED(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["ConfigError", "Config", "RunConfig", "option", "parse", "parser_for", "POSITIVE", "NONNEGATIVE",
-           "FINITE", "PROBABILITY", "SEED", "flag_of"]
+__all__ = ["ConfigError", "Config", "RunConfig", "EvictionConfig", "eviction", "setting", "SETTINGS", "option", "parse",
+           "parser_for", "POSITIVE", "NONNEGATIVE", "FINITE", "PROBABILITY", "SEED", "SEED_LIMIT", "flag_of"]
 
 
 class ConfigError(ValueError):
@@ -71,11 +71,14 @@ def FINITE(value) -> Optional[str]:
     return None
 
 
+SEED_LIMIT = 2**64  # seeds are mixed as 64 bits (randattn.seeding)
+
+
 def SEED(value) -> Optional[str]:
-    if not _number(value) or not value >= 0:
-        return NONNEGATIVE(value)
-    if value >= 2**64:
-        return f"must be below 2**64, got {value!r} (seeds are mixed as 64 bits); pass a seed in range"
+    """The one seed check of the lab (the core's rule, :func:`randattn.seeding._check_seed`): an integer in
+    [0, 2**64). ``probes.common.seed_int`` (argparse) uses it too."""
+    if not _number(value) or isinstance(value, float) or not 0 <= value < SEED_LIMIT:
+        return f"must be an integer in [0, 2**64), got {value!r} (seeds are mixed as 64 bits); pass a seed in range"
     return None
 
 
@@ -83,12 +86,6 @@ def PROBABILITY(value) -> Optional[str]:
     if not _number(value) or not 0 <= value <= 1:
         return f"must be a number in [0, 1], got {value!r}"
     return None
-
-
-def check_budget(budget: int, buffer: int, field: str = "budget") -> None:
-    """T must exceed r: the newest r pairs are the recent window, never candidates, so T - r are selected."""
-    if buffer >= budget:
-        raise ConfigError(field, f"T={budget} must exceed r={buffer} (the recent window is r)")
 
 
 def option(default: Any, help: str, *, check: Optional[Callable] = None, choices=None, metavar: Optional[str] = None,
@@ -265,3 +262,229 @@ def build(cls, parser: argparse.ArgumentParser, values: dict):
         return cls(**values)
     except ConfigError as exc:
         parser.error(str(exc))
+
+
+# -- the eviction settings, defined once ---------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One eviction setting as every probe's flag: its type, its help and its range check."""
+
+    type: Any
+    help: str
+    check: Optional[Callable] = None
+    metavar: Optional[str] = None
+    help_off: Optional[str] = None  # a bool setting's help when its default is True (the --no-... switch)
+
+
+#: The eviction settings a probe may have, each defined once: the fields :func:`eviction` adds. Their values become
+#: a :class:`randattn.EvictionSpec` (:meth:`EvictionConfig.spec`), which checks them with the core's rules.
+SETTINGS = {
+    "policy": Setting(str, "the eviction policy: a registered name, a paper mode (e.g. attn_pp) or your own selector "
+                           "as MODULE:CALLABLE or path/to/file.py:CALLABLE", metavar="POLICY"),
+    "policies": Setting(tuple[str, ...], "the policies compared (each a registered name, a paper mode or "
+                                         "MODULE:CALLABLE)", metavar="POLICY"),
+    "budget": Setting(int, "T: pairs each KV head holds right after a round, the newest r among them",
+                      check=POSITIVE),
+    "buffer": Setting(int, "r: new pairs between rounds (the recent window: the newest r pairs are never "
+                           "candidates)", check=POSITIVE),
+    "protect_prompt": Setting(bool, "protect the prompt: pin it in every head (by default it competes with "
+                                    "everything else)",
+                              help_off="score only: the prompt competes with everything else (by default it is "
+                                       "pinned in every head)"),
+    "stats": Setting(Optional[str], "calibration statistics for a policy that reads them (TriAttention: `python -m "
+                                    "randattn.calibrate`); the embedded model's ship with the package",
+                     metavar="FILE"),
+}
+
+
+@dataclass(frozen=True)
+class _Default:
+    value: Any
+    several: bool
+    overrides: dict
+
+
+def setting(default: Any, *, several: bool = False, **overrides) -> _Default:
+    """A probe's default for one eviction setting in :func:`eviction`, with what the probe words its own way:
+    ``help``, ``cli=False`` (set from code only), ``choices``, ``metavar``. ``several``: the field takes a list
+    (``--budget 128 256``, a sweep); a ``None`` default makes the field optional (the probe fills it in)."""
+    return _Default(default, several, overrides)
+
+
+def eviction(**defaults):
+    """A class decorator, under ``@dataclass``: the named eviction settings (:data:`SETTINGS`) become the class's
+    first fields, each with its one definition and this probe's default (a value, or :func:`setting`)::
+
+        @dataclass
+        @eviction(policy="random", budget=128, buffer=32, protect_prompt=True)
+        class Config(EvictionConfig): ...
+
+    A subclass names only what it changes (``@eviction(protect_prompt=True)``)."""
+    unknown = sorted(set(defaults) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"not an eviction setting: {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
+
+    def add(cls):
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        clash = sorted(set(own) & set(defaults))
+        if clash:
+            raise TypeError(f"{cls.__name__} declares {', '.join(clash)} itself; an eviction setting comes from "
+                            "@eviction only")
+        added = {}
+        for name, given in defaults.items():
+            d = given if isinstance(given, _Default) else _Default(given, False, {})
+            s = SETTINGS[name]
+            tp = s.type
+            if d.several or isinstance(d.value, tuple) and tp is not tuple[str, ...]:
+                tp = tuple[tp, ...]
+            if d.value is None and not _optional(tp):
+                tp = Optional[tp]
+            help_text = s.help_off if s.help_off and d.value is True else s.help
+            meta = dict(help=help_text, check=s.check, metavar=s.metavar)
+            meta.update(d.overrides)
+            added[name] = tp
+            setattr(cls, name, option(d.value, meta.pop("help"), **meta))
+        cls.__annotations__ = {**added, **own}
+        return cls
+
+    return add
+
+
+@dataclass
+class EvictionConfig(RunConfig):
+    """A probe configuration whose eviction settings come from :func:`eviction`: it checks them once, with the
+    core's rules (:class:`randattn.EvictionSpec`), and hands each run its :meth:`spec`. A probe never restates a
+    size rule, a policy check or the prompt-fits rule."""
+
+    #: The fields that name policies, in the order a run uses them (a probe adds its own, e.g. ``baselines``).
+    policy_fields: typing.ClassVar[tuple[str, ...]] = ("policies", "policy")
+    #: Whether ``full`` (full attention, no eviction) may be named among the policies (the accuracy probe's arm).
+    full_allowed: typing.ClassVar[bool] = False
+
+    def policy_names(self) -> tuple[str, ...]:
+        """Every policy this run evicts with (from :attr:`policy_fields`; an empty name left out, and ``full`` where
+        :attr:`full_allowed`): the first field present (``policies``, else ``policy``), then a probe's own
+        (``baselines``)."""
+        primary = getattr(self, "policies", None)
+        if primary is None:
+            primary = getattr(self, "policy", ())
+        names = [primary] if isinstance(primary, str) else list(primary or ())
+        for extra in self.policy_fields:
+            if extra not in ("policies", "policy"):
+                names += list(getattr(self, extra, None) or ())
+        return tuple(dict.fromkeys(n for n in names if n and not (self.full_allowed and n == "full")))
+
+    def policy_field(self, name: str) -> str:
+        """The field a policy name came from (``policies``, ``policy``, or a probe's own, e.g. ``baselines``)."""
+        present = [f for f in self.policy_fields if hasattr(self, f)]
+        for f in present:
+            value = getattr(self, f)
+            if value == name or isinstance(value, tuple) and name in value:
+                return f
+        return present[0] if present else "policy"
+
+    def spec(self, policy: Optional[str] = None, *, fields: Optional[dict] = None, **changes):
+        """The :class:`randattn.EvictionSpec` of ``policy`` (default: the run's one policy) under this config: its
+        ``budget``, ``buffer``, ``protect_prompt``, ``seed`` and ``stats``, with ``changes`` (any spec field: a
+        batch's seed, a policy's options, an arm's budget) on top. A refusal is a :class:`ConfigError` naming the
+        field to change (``fields`` maps a spec field to the probe's, e.g. ``{"protect_prompt": "modes"}``)."""
+        import randattn
+        from randattn.spec import SpecError
+
+        if policy is None:  # the one being run: ``policy`` (a probe comparing ``policies`` sets it per run)
+            single = getattr(self, "policy", None)
+            policy = single if isinstance(single, str) and single else (*self.policy_names(), "random")[0]
+        values = {"budget": getattr(self, "budget", None), "buffer": getattr(self, "buffer", 64),
+                  "protect_prompt": getattr(self, "protect_prompt", None), "seed": self.seed,
+                  "stats": getattr(self, "stats", None)}
+        values.update(changes)
+        if policy == "full":
+            return randattn.EvictionSpec.full()
+        try:
+            return randattn.EvictionSpec(policy, **values)
+        except SpecError as exc:
+            raise self.spec_error(exc, policy, fields) from None
+        except FileNotFoundError as exc:  # a --stats file that is not there
+            raise ConfigError("stats", str(exc)) from None
+
+    def bind(self, spec, model, *, field: Optional[str] = None):
+        """Bind ``spec``'s policy to ``model`` before a run (:meth:`randattn.EvictionSpec.bind`): a policy that
+        cannot serve it is a :class:`ConfigError` naming ``field`` (default: the field the policy came from)."""
+        try:
+            return spec.bind(model)
+        except FileNotFoundError as exc:  # statistics named but not there
+            raise ConfigError("stats", str(exc)) from None
+        except (ValueError, TypeError) as exc:
+            name = spec.policy if isinstance(spec.policy, str) else spec.policy_object.name
+            raise ConfigError(field or self.policy_field(name), f"{name}: {exc}") from None
+
+    def spec_error(self, exc, policy: Optional[str] = None, fields: Optional[dict] = None) -> ConfigError:
+        """A :class:`SpecError` as the :class:`ConfigError` of the field it names."""
+        name = (fields or {}).get(exc.field)
+        if name is None:
+            name = {"policy": self.policy_field(policy) if policy else "policy", "options": "policy",
+                    "recent": "buffer", "seed": "seed"}.get(exc.field, exc.field)
+            if not any(f.name == name for f in dataclasses.fields(self)):
+                name = "budget" if exc.field in ("recent", "buffer") else self.policy_field(policy or "")
+        return ConfigError(name, str(exc))
+
+    def check(self) -> None:
+        self.check_eviction()
+
+    def check_eviction(self, *, fields: Optional[dict] = None) -> None:
+        """The sizes obey the core's rules (T > r, ...), every policy named is one (a registered name, a paper
+        mode, a loadable ``MODULE:CALLABLE``) and its spec is valid (protection, options), and a ``stats`` file is
+        read by some policy of the run. Each problem a :class:`ConfigError` naming its field."""
+        from randattn.rules import SpecError, check_sizes, resolve_recent
+
+        from .policy_specs import check_policy, check_stats_used
+
+        budget, buffer = getattr(self, "budget", None), getattr(self, "buffer", None)
+        budgets = tuple(t for t in (budget if isinstance(budget, tuple) else (budget,)) if t is not None)
+        if buffer is not None:  # else the task's default, filled in (and checked) when the run resolves it
+            for t in budgets:
+                try:
+                    check_sizes(t, buffer)
+                    resolve_recent(t, buffer, None)
+                except SpecError as exc:
+                    if exc.field != "budget":
+                        raise self.spec_error(exc, fields=fields) from None
+                    raise ConfigError("budget", f"T={t} must exceed the recent window r={buffer} (the newest r pairs "
+                                                f"are kept untouched and T - r of the older ones selected); use "
+                                                f"--budget > {buffer} or a smaller --buffer") from None
+        names = self.policy_names()
+        for name in names:
+            check_policy(self.policy_field(name), name)
+        if buffer is not None:
+            for t in budgets:
+                for name in names:  # protection and options by the core's rules; statistics are read at the run
+                    self.spec(name, fields=fields, budget=t, buffer=buffer, stats=None,
+                              protect_prompt=self.protection_of(name))
+        if hasattr(self, "stats"):
+            check_stats_used(self.stats, names)
+
+    def protection_of(self, policy: str) -> Optional[bool]:
+        """The ``protect_prompt`` a spec of ``policy`` gets (a probe that runs several modes decides per arm)."""
+        return getattr(self, "protect_prompt", None)
+
+    def fits(self, spec, prompt_len: int, *, what: Optional[str] = None, fix: Optional[str] = None) -> None:
+        """The one prompt-fits rule (:meth:`randattn.EvictionSpec.validate`): a :class:`ConfigError` naming
+        ``--budget`` when a protected ``prompt_len``-token prompt does not fit ``spec`` (``None``: this config's T and
+        r, the prompt protected), with the smallest T that fits. ``what`` says whose prompt; ``fix`` the other way
+        out (default ``--no-protect-prompt`` where the probe has that flag)."""
+        from randattn.rules import prompt_fits_problem
+
+        if spec is None:
+            budget, recent = self.budget, self.buffer
+            problem = prompt_fits_problem(prompt_len, budget=budget, recent=recent, protect=True)
+        else:
+            budget, recent = spec.budget, spec.recent_window
+            problem = spec.validate(prompt_len)
+        if problem:
+            protect = next((f for f in dataclasses.fields(self) if f.name == "protect_prompt"), None)
+            if fix is None and protect is not None:
+                fix = "--no-protect-prompt" if protect.default else "without --protect-prompt"
+            raise ConfigError(problem.field, f"{what + ': ' if what else ''}T={budget} cannot hold the protected "
+                                             f"{prompt_len}-token prompt plus one free slot beside the recent window "
+                                             f"of r={recent}; use --budget >= {problem.need}"
+                                             + (f" or {fix}" if fix else ""))

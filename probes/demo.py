@@ -19,9 +19,8 @@ import randattn
 
 from . import cli
 from .common import ranges
-from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
+from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
 from .planted_run import load
-from .policy_specs import check_policy
 
 DEFAULT_PROMPT = (
     "A baker sells muffins for $3 and cookies for $2. On Monday she sells 14 muffins and twice as many "
@@ -31,24 +30,19 @@ DEFAULT_PROMPT = (
 
 
 @dataclass
-class Config(RunConfig):
+@eviction(policy="random", budget=128, buffer=32, protect_prompt=True)
+class Config(EvictionConfig):
     """Generate with an evicting cache and show what each KV head evicted (``python -m probes.demo``)."""
 
     out: Optional[str] = option(None, "write the text, the cache's statistics (.json) and the keep-log (.npz) here "
                                       "(a path without suffix)")
-    policy: str = option("random", "the eviction policy")
-    budget: int = option(128, "T: pairs each KV head holds right after a round, the newest r among them",
-                         check=POSITIVE)
-    buffer: int = option(32, "r: new pairs between rounds", check=POSITIVE)
     max_new_tokens: int = option(320, "tokens to generate", check=POSITIVE)
-    protect_prompt: bool = option(True, "let the prompt be evicted too")
     prompt: str = option(DEFAULT_PROMPT, "the user message")
     layers: tuple[int, ...] = option((0, 15, -1), "layers whose per-head evictions are printed (negative: from the "
                                                   "last)")
 
     def check(self) -> None:
-        check_budget(self.budget, self.buffer)
-        check_policy("policy", self.policy)
+        self.check_eviction()
         if self.out is not None:
             check_demo_out(Path(self.out))
 
@@ -98,15 +92,9 @@ def run(config: Config, model=None, tokenizer=None) -> int:
     msgs = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ids = ids.to(model.device)
-    try:
-        cache = randattn.EvictingCache(
-            args.policy, budget=args.budget, buffer=args.buffer, protect_prompt=args.protect_prompt,
-            seed=args.seed, keep_log=True,
-        ).bind(model)
-        if cache.protect_prompt:
-            cache._check_prompt_fits(ids.shape[1])
-    except ValueError as exc:
-        raise ConfigError("budget", str(exc)) from None
+    spec = config.bind(config.spec(), model)
+    config.fits(spec, ids.shape[1])
+    cache = spec.make_cache(keep_log=True).bind(model)
     t0 = time.perf_counter()
     out = randattn.generate(
         model, ids, cache, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False

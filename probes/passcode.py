@@ -24,12 +24,13 @@ from pathlib import Path
 import randattn
 from analysis.names import result_name
 from analysis.planted import passcode_compare
+from randattn.spec import min_budget
 
 from . import cli
-from .config import POSITIVE, ConfigError, option
+from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import PAPER, PlantedConfig, describe, run_conditions, setup, write_csv
-from .policy_specs import bind_policies, calibration_options, check_policy
+from .planted_run import PAPER, run_unit, PlantedConfig, condition_units, describe, load, setup, write_csv
+from .units import Kind, ModelInfo, Plan, run_local
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
@@ -43,16 +44,15 @@ def passcode_distance(rounds: int, buffer: int, box_width: int) -> int:
 
 
 @dataclass
+@eviction(policy=setting("random", help="set per policy from --policies", cli=False),
+          policies=setting(randattn.COMPARED_POLICIES, help="policies compared (all evict the passcode too)"),
+          protect_prompt=True)
 class Config(PlantedConfig):
     """The passcode needle: a fact stated once, asked after many rounds (``python -m probes.passcode``)."""
 
     instances: int = option(16, "instances per policy (paired across policies)", check=POSITIVE)
     box_width: int = option(20, "tokens of the passcode sentence box", check=POSITIVE)
-    protect_prompt: bool = option(True, "protect the stub prompt (as the paper's methods); --no-protect-prompt lets "
-                                        "it be evicted too")
     distance: int = option(384, "set from --rounds, --buffer and --box-width", cli=False)
-    policy: str = option("random", "set per policy from --policies", cli=False)
-    policies: tuple[str, ...] = option(randattn.COMPARED_POLICIES, "policies compared (all evict the passcode too)")
     rounds: int = option(57, "eviction rounds between statement and answer", check=POSITIVE)
     references: bool = option(True, "also run full attention and the passcode pinned everywhere (with random)",
                               cli=False)
@@ -65,43 +65,87 @@ class Config(PlantedConfig):
         self.distance = passcode_distance(self.rounds, self.buffer, self.box_width)
         super().__post_init__()
 
-    def check(self) -> None:
-        super().check()
-        for spec in self.policies:
-            check_policy("policies", spec)
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Each policy's file and its batches of instances (then, in Random's file with ``references``, the passcode
+    pinned everywhere and full attention), in the order a single-machine run computes them."""
+    outputs, todo, sessions = [], [], {}
+    loaded = (model.bind_target, model.tokenizer)
+    for policy in config.policies:
+        s = setup("passcode", config.replace(policy=policy), loaded=loaded, extra_config={"rounds": config.rounds},
+                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False},
+                  pins_boxes=policy == "random" and config.references,  # only the "kept" reference pins the box
+                  open_results=False)
+        if not sessions:
+            # The references pin the passcode box beside the protected stub prompt (a run without them pins nothing).
+            need = min_budget(len(s.builder.stub) * config.protect_prompt + config.box_width, s.spec.recent_window)
+            if config.references and need > config.budget:
+                raise ConfigError("budget", f"T={config.budget} cannot hold the passcode box ({config.box_width}) "
+                                            f"pinned beside the protected stub prompt ({len(s.builder.stub)}) and the "
+                                            f"recent window of r={config.buffer}; use --budget >= {need}")
+            # Every policy binds to the model before the first one runs (TriAttention without statistics for it
+            # stops the run here, not after the other policies have been computed).
+            for name in config.policies:
+                config.bind(config.spec(name), s.model, field="policies")
+        sessions[policy] = s
+        outputs.append(s.results)
+        groups = [(s, [Condition.policy("policy")])]
+        if policy == "random" and config.references:
+            # Can the model retrieve the passcode at this distance at all? Full attention, and the passcode
+            # pinned in every head while Random evicts the rest.
+            groups += [(s, [Condition.heads("kept", range(s.n_heads), s.builder.box_width)]),
+                       (dataclasses.replace(s, no_eviction=True), [Condition.policy("full")])]
+        for session, conditions in groups:
+            todo += condition_units(session, conditions)
+    summary = Path(outputs[0].path).parent / summary_name(config, model.name)
+    return Plan("passcode", config, outputs, todo, meta={"sessions": sessions, "summary": str(summary)})
+
+
+def _by_policy(p: Plan, rows: dict) -> dict:
+    """``{policy: rows}`` of this run's instances (Random's with its references after its own)."""
+    out = {}
+    for policy, s in p.meta["sessions"].items():
+        names = ["policy", "kept", "full"] if policy == "random" and p.config.references else ["policy"]
+        mine = {(i, n) for i in range(p.config.instances) for n in names}
+        file_rows = [r for r in rows[str(s.results.path)] if (r["instance"], r["condition"]) in mine]
+        out[policy] = [r for n in names for r in file_rows if r["condition"] == n]
+    return out
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
     """``({policy: rows}, {policy: session})``: the passcode instances under each policy (resuming finished rows);
-    with ``references``, Random's file also gets full attention and the passcode pinned everywhere."""
-    loaded = None if model is None else (model, tokenizer)
-    rows_by_policy, sessions = {}, {}
-    for policy in config.policies:
-        s = setup("passcode", config.replace(policy=policy), loaded=loaded, extra_config={"rounds": config.rounds},
-                  builder_texts={"fact": FACT, "query": QUERY, "instruction": INSTRUCTION, "deletable": False},
-                  pins_boxes=policy == "random" and config.references)  # only the "kept" reference pins the box
-        if loaded is None:
-            print(describe(s).replace(f"distance {config.distance}", f"{config.rounds} rounds"))
-            fits = len(s.builder.stub) * config.protect_prompt + config.box_width + 1
-            if fits > config.budget - config.buffer:
-                raise ConfigError("budget", f"T={config.budget} cannot hold the passcode box ({config.box_width}) "
-                                            f"pinned beside the protected stub prompt ({len(s.builder.stub)}) and the "
-                                            f"recent window of r={config.buffer}; use --budget >= {fits + config.buffer}")
-            # Every policy binds to the model before the first one runs (TriAttention without statistics for it
-            # stops the run here, not after the other policies have been computed).
-            bind_policies("policies", config.policies, s.model, lambda p: calibration_options(p, config.stats))
-        loaded = (s.model, s.tok)
-        sessions[policy] = s
-        rows_by_policy[policy] = run_conditions(s, [Condition.policy("policy")], desc=f"passcode: {policy}")
-        if policy == "random" and config.references:
-            # Can the model retrieve the passcode at this distance at all? Full attention, and the passcode
-            # pinned in every head while Random evicts the rest.
-            kept = run_conditions(s, [Condition.heads("kept", range(s.n_heads), s.builder.box_width)],
-                                  desc="passcode: kept everywhere")
-            full = run_conditions(dataclasses.replace(s, no_eviction=True), [Condition.policy("full")],
-                                  desc="passcode: full attention")
-            rows_by_policy["random"] = rows_by_policy["random"] + kept + full
-    return rows_by_policy, sessions
+    with ``references``, Random's file also gets full attention and the passcode pinned everywhere. The local
+    backend over :func:`plan`'s units."""
+    given = model is not None
+    model, tok = load(config, (model, tokenizer) if given else None)
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    if not given:
+        print(describe(p.meta["sessions"][config.policies[0]]).replace(f"distance {config.distance}",
+                                                                      f"{config.rounds} rounds"))
+    files = run_local(p, model, tok, restart=config.restart, desc="passcode")
+    sessions = {pol: dataclasses.replace(s, model=model, tok=tok, results=files[str(s.results.path)])
+                for pol, s in p.meta["sessions"].items()}
+    return _by_policy(p, {path: rf.rows for path, rf in files.items()}), sessions
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list[Path]:
+    """The comparison summary beside the per-policy files, as :func:`report` writes it; prints the table."""
+    by_policy = _by_policy(p, rows)
+    config = p.config
+    table = passcode_compare(by_policy, seed=config.seed)
+    first = p.outputs[0].config
+    record = {k: first[k] for k in ("model", "budget", "buffer", "protect_prompt", "seed", "rounds")}
+    summary = write_csv(p.meta["summary"], [{**r, **record} for r in table])
+    print(f"\n== {summary.parent}: passcode after {config.rounds} rounds, K={config.budget}, r={config.buffer}, "
+          f"prompt {'protected' if config.protect_prompt else 'unprotected'}")
+    print(f"{'policy':<20} {'n':>4}  {'retrieval [95% CI]':<22}  {'mean LP':>8}")
+    for t in table:
+        print(f"{t['policy']:<20} {t['n']:>4}  {t['retrieval']:.3f} [{t['retrieval_lo']:.3f}, {t['retrieval_hi']:.3f}]"
+              f"  {t['mean_lp']:8.2f}")
+    paths = [Path(o.path) for o in p.outputs] + [summary]
+    if figures:
+        paths += cli.draw("passcode", summary, config.figure_dir, "--name", summary.stem)
+    return paths
 
 
 def summary_name(config: Config, model: str) -> str:
@@ -131,6 +175,13 @@ def report(config: Config, rows_by_policy: dict, sessions: dict) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
+
+def grid_folder(config: Config) -> str:
+    """A grid's folder for one geometry (the summary's name without ``summary-`` and ``.csv``)."""
+    return summary_name(config, config.model or randattn.DEFAULT_MODEL)[len("summary-"):-len(".csv")]
+
+
+KIND = Kind("passcode", Config, plan, run_unit, merge, grid_folder=grid_folder)
 
 if __name__ == "__main__":
     sys.exit(main())

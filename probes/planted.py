@@ -33,6 +33,8 @@ import torch
 
 import randattn
 
+from .config import ConfigError
+
 __all__ = ["Fact", "Instance", "InstanceBuilder", "Condition", "run_batch", "audit_keep_log", "fact_metrics"]
 
 CONSONANTS = "bcdfghjklmnpqrstvwxz"
@@ -83,15 +85,18 @@ class InstanceBuilder:
             query must end right before the value, which must appear once in ``fact``.
         deletable: conditions will force-evict whole boxes, so a box must fit in one round's drop
             (``box_width <= buffer``); False when the boxes are only ever left to the policy.
+
+    A layout that cannot be built is a :class:`~probes.config.ConfigError` (a ``ValueError``) naming the setting to
+    change (``box_width``, ``distance``, ``traces``, ``model``).
     """
 
     def __init__(self, tokenizer, texts: Sequence[str], *, budget: int, buffer: int, distance: int,
                  box_width: int = 12, n_facts: int = 1, seed: int = 0, fact: str = FACT, query: str = QUERY,
                  instruction: str = INSTRUCTION, deletable: bool = True):
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("the planted-fact probe needs a fast tokenizer (offset mapping) to find the value tokens")
+            raise ConfigError("model", "the planted-fact probe needs a fast tokenizer (offset mapping) to find the value tokens")
         if deletable and box_width > buffer:
-            raise ValueError(
+            raise ConfigError("box_width",
                 f"--box-width {box_width} exceeds the buffer r={buffer}: one round can drop only r pairs, so a box "
                 f"that wide cannot be deleted at once; use --box-width <= {buffer} or a larger --buffer"
             )
@@ -138,7 +143,7 @@ class InstanceBuilder:
         span = [i for i, (a, b) in enumerate(offsets) if a < v0 + len(value) and b > v0]
         lead = max((i for i, (a, b) in enumerate(offsets) if b <= v0 and text[a:b].strip()), default=-1)
         if len(ids) > self.box_width:
-            raise ValueError(
+            raise ConfigError("box_width",
                 f"the fact sentence {text!r} takes {len(ids)} tokens but --box-width is {self.box_width}; "
                 f"raise --box-width (and --buffer if needed)"
             )
@@ -161,7 +166,7 @@ class InstanceBuilder:
         last_box = self.first_box + (self.n_facts - 1) * self.gap
         self.length = last_box + self.distance + self.value_len
         if self.distance < w + 16:
-            raise ValueError(f"--distance {self.distance} is too short for a {w}-token box and a query; use >= {w + 16}")
+            raise ConfigError("distance", f"--distance {self.distance} is too short for a {w}-token box and a query; use >= {w + 16}")
 
     @property
     def score_from(self) -> int:
@@ -178,7 +183,7 @@ class InstanceBuilder:
             facts = self._draw_facts(rng, text)
             if facts is not None:
                 return self._assemble(index, filler, facts, start)
-        raise ValueError("could not draw fact values absent from the filler; the traces may be too short or too numeric")
+        raise ConfigError("traces", "could not draw fact values absent from the filler; the traces may be too short or too numeric")
 
     def _draw_facts(self, rng: random.Random, filler_text: str):
         out, names = [], set()
@@ -213,7 +218,7 @@ class InstanceBuilder:
             answer = boxes[i] + self.distance
             n_fill = answer - len(query) - len(ids)
             if n_fill < 0:
-                raise ValueError(f"--distance {self.distance} leaves no room for the query of fact {i}")
+                raise ConfigError("distance", f"--distance {self.distance} leaves no room for the query of fact {i}")
             ids += [next(take) for _ in range(n_fill)] + query
             ids += value_ids
             placed.append(Fact(name, value, boxes[i], boxes[i] + self.box_width, answer, answer + len(value_ids)))
@@ -332,8 +337,7 @@ def run_batch(model, instances: Sequence[Instance], conditions: Sequence[Conditi
     before = base.cache.events[0] if base.cache.layers else 0
     for cond in conditions:
         if cond.full_cache:
-            full = randattn.EvictingCache("random", budget=ids.shape[1] + 1, buffer=1, protect_prompt=False,
-                                          keep_log=audit)
+            full = randattn.EvictionSpec.full().make_cache(max_tokens=ids.shape[1], keep_log=audit)
             branch = randattn.Replay(model, ids, full, prompt_len=first.prompt_len,
                                      score_from=first.facts[0].answer_start).run()
             yield cond, branch.result(), branch.cache, 0

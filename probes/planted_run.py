@@ -7,11 +7,12 @@ same way for all of them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,36 +22,35 @@ import randattn
 from analysis.names import result_name, summary_beside
 from analysis.planted import ConditionSummary
 from randattn.keepstats import random_round_survival
+from randattn.spec import min_budget
 from randattn.traces import load_traces
 
-from .config import NONNEGATIVE, POSITIVE, ConfigError, RunConfig, check_budget, option
-from .policy_specs import calibration_options, check_policy, check_stats_used
+from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, RunConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
+from .units import Kind, Output, Plan, Unit, make_unit, run_local
 
 PAPER = {"budget": 1024, "buffer": 64, "distance": 1536}
+#: The key of a planted-fact row: which instance, under which condition, which of its facts.
+KEY = ("instance", "condition", "fact")
 
 
 @dataclass
-class PlantedConfig(RunConfig):
+@eviction(policy=setting("random", help="how the background (everything but the box) is evicted"), budget=256,
+          buffer=16, protect_prompt=False, stats=None)
+class PlantedConfig(EvictionConfig):
     """The planted-fact instrument's settings, shared by head pooling, scatter, two facts, blocks, passcode and the
     shared-draw probe."""
 
     traces: Optional[str] = option(None, "JSONL with a 'text' field per row: the filler (default: the embedded "
                                          "model's own solutions, shipped with the package; use traces of the model "
                                          "you probe)")
-    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
-                         check=POSITIVE)
-    buffer: int = option(16, "r: new pairs between rounds (the recent window)", check=POSITIVE)
     distance: int = option(384, "tokens from the first fact-box token to the first answer token", check=POSITIVE)
-    paper: bool = option(False, "the paper's geometry: T=1024, r=64, distance 1536 (overrides the three above)")
+    paper: bool = option(False, "the paper's geometry: T=1024, r=64, distance 1536 (overrides --budget, --buffer and "
+                                "--distance)")
     box_width: int = option(12, "tokens per fact box (<= r)", check=POSITIVE)
     instances: int = option(48, "instances (paired across conditions)", check=POSITIVE)
     batch: int = option(8, "instances replayed together", check=POSITIVE)
-    policy: str = option("random", "how the background (everything but the box) is evicted")
-    stats: Optional[str] = option(None, "calibration statistics for a policy that needs them (TriAttention: `python "
-                                        "-m randattn.calibrate`); the embedded model's ship with the package")
-    protect_prompt: bool = option(False, "protect the stub prompt (the paper's probe leaves it unprotected)")
     parity: int = option(1, "instances checked against token-by-token decoding before the run (0: skip)",
                          check=NONNEGATIVE)
 
@@ -59,13 +59,6 @@ class PlantedConfig(RunConfig):
             for k, v in PAPER.items():
                 setattr(self, k, v)
         super().__post_init__()
-
-    def check(self) -> None:
-        check_budget(self.budget, self.buffer)
-        check_policy("policy", self.policy)
-        for spec in getattr(self, "policies", ()):
-            check_policy("policies", spec)
-        check_stats_used(self.stats, getattr(self, "policies", None) or (self.policy,))
 
 
 @dataclass
@@ -80,21 +73,23 @@ class Session:
     results: ResultsFile
     n_heads: int
     n_layers: int
-    policy_options: dict = field(default_factory=dict)
+    spec: "randattn.EvictionSpec | None" = None  # the run's eviction setting (policy options included)
     no_eviction: bool = False  # full attention through the same code path (a budget no round reaches)
 
     @property
     def args(self) -> PlantedConfig:  # the instrument's code reads the configuration as ``s.args``
         return self.config
 
+    @property
+    def policy_options(self) -> dict:
+        return self.spec.cache_options if self.spec is not None else {}
+
     def make_cache(self, batch_index: int, keep_log: bool = False) -> randattn.EvictingCache:
-        a = self.config
         if self.no_eviction:
-            return randattn.EvictingCache("random", budget=self.builder.length + 1, buffer=1, protect_prompt=False,
-                                          keep_log=keep_log)
+            return randattn.EvictionSpec.full().make_cache(max_tokens=self.builder.length, keep_log=keep_log)
         # Every batch draws its own evictions; rows of one batch differ through their row index.
-        return randattn.EvictingCache(a.policy, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
-                                      seed=a.seed * 1_000_003 + batch_index, keep_log=keep_log, **self.policy_options)
+        return dataclasses.replace(self.spec, seed=self.config.seed * 1_000_003 + batch_index).make_cache(
+            keep_log=keep_log)
 
 
 def load(config: RunConfig, loaded=None):
@@ -109,13 +104,12 @@ def load(config: RunConfig, loaded=None):
 
 def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: Optional[dict] = None,
           policy_options: Optional[dict] = None, loaded=None, out: Optional[Path] = None,
-          builder_texts: Optional[dict] = None, pins_boxes: bool = True) -> Session:
+          builder_texts: Optional[dict] = None, pins_boxes: bool = True,
+          open_results: bool = True) -> Session:
     """Check the configuration against the traces and the model (unless ``loaded=(model, tokenizer)``), open (or
     resume) the results file (``out``, else ``<--out or data/results/<probe>>/<config slug>.jsonl``). ``pins_boxes``: the
     run's conditions pin fact boxes, which must then fit beside the protected prompt. Problems are
     :class:`ConfigError` naming the field to change."""
-    policy_options = {**calibration_options(config.policy, config.stats), **(policy_options or {})}
-    calibration = randattn.make_policy(config.policy).calibration  # a file path: not part of the configuration
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         texts = load_traces(traces)
@@ -123,27 +117,23 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
         raise ConfigError("traces", str(exc)) from None
     folder = out.parent if out is not None else out_folder(probe, config.out)
     model, tok = load(config, loaded)
-    try:
-        builder = InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
-                                  box_width=config.box_width, n_facts=n_facts, seed=config.seed, **(builder_texts or {}))
-        randattn.EvictingCache(config.policy, budget=config.budget, buffer=config.buffer, **policy_options).bind(model)
-    except FileNotFoundError as exc:  # a --stats file that is not there
-        raise ConfigError("stats", str(exc)) from None
-    except ValueError as exc:
-        raise ConfigError("budget" if "budget" in str(exc) else "box_width" if "box" in str(exc) else "policy",
-                          str(exc)) from None
-    if config.protect_prompt and len(builder.stub) + 1 > config.budget - config.buffer:
-        raise ConfigError("budget", f"T={config.budget} cannot hold the {len(builder.stub)}-token protected stub "
-                                    f"prompt beside the recent window of r={config.buffer}")
+    # The layout's problems name their field (box_width, distance, traces, model); the spec's too (budget, policy,
+    # protect_prompt, stats), and binding it asks the policy whether it can serve this model.
+    builder = InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
+                              box_width=config.box_width, n_facts=n_facts, seed=config.seed, **(builder_texts or {}))
+    spec = config.spec(config.policy, options=policy_options or {})
+    config.bind(spec, model)
+    config.fits(spec, len(builder.stub))  # the protected stub prompt
     # Conditions pin fact boxes (kept in some heads) beside the protected prompt: all must fit the T - r selected
-    # (``pins_boxes=False``: this run's conditions pin no box).
+    # (``pins_boxes=False``: this run's conditions pin no box); the same arithmetic as the prompt-fits rule.
     pinned = len(builder.stub) * config.protect_prompt + n_facts * config.box_width
-    if pins_boxes and pinned + 1 > config.budget - config.buffer:
+    if pins_boxes and min_budget(pinned, spec.recent_window) > config.budget:
         raise ConfigError("budget", f"T={config.budget} cannot hold {n_facts} pinned fact box(es) of {config.box_width}"
                                     + (f" beside the {len(builder.stub)}-token protected stub prompt" if
                                        config.protect_prompt else "")
                                     + f" and the recent window of r={config.buffer}; use --budget >= "
-                                      f"{pinned + 1 + config.buffer}")
+                                      f"{min_budget(pinned, spec.recent_window)}")
+    calibration = spec.policy_object.calibration  # a file path: not part of the configuration
     per_instance = builder.length - len(builder.stub)
     if builder.stream.size < per_instance:
         raise ConfigError("traces", f"{traces} holds {builder.stream.size} tokens; one instance needs {per_instance}")
@@ -151,19 +141,21 @@ def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: 
     record = {
         "probe": probe, "model": config.model or randattn.DEFAULT_MODEL, "traces": trace_label(traces),
         "budget": config.budget, "buffer": config.buffer, "distance": config.distance, "box_width": config.box_width,
-        "policy": config.policy, "policy_options": {k: v for k, v in policy_options.items() if k != calibration},
+        "policy": config.policy, "policy_options": {k: v for k, v in spec.cache_options.items() if k != calibration},
         "protect_prompt": config.protect_prompt, "seed": config.seed, "batch": config.batch, "n_facts": n_facts,
         "kv_heads": n_heads, "layers": n_layers, **(extra_config or {}), "engine": randattn.ENGINE,
         **run_record(model),
     }
     path = out or folder / result_name("planted", record)
+    if not open_results:  # a plan: the backend that runs its units opens the file (probes.units)
+        return Session(probe, config, model, tok, builder, Output(str(path), record, KEY), n_heads, n_layers, spec)
     try:
-        results = ResultsFile(path, record, ("instance", "condition", "fact"), restart=config.restart)
+        results = ResultsFile(path, record, KEY, restart=config.restart)
     except PermissionError as exc:
         raise ConfigError("out", str(exc)) from None
     except ValueError as exc:
         raise ConfigError("out", str(exc)) from None
-    return Session(probe, config, model, tok, builder, results, n_heads, n_layers, policy_options)
+    return Session(probe, config, model, tok, builder, results, n_heads, n_layers, spec)
 
 
 def _slug(config: dict) -> str:
@@ -183,57 +175,96 @@ def describe(s: Session) -> str:
 
 
 # -- the loop ------------------------------------------------------------------------------------
-def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optional[str] = None) -> list[dict]:
-    """Run every instance under every condition (resuming what is done); returns this run's rows."""
-    a = s.config
+def condition_units(s: Session, conditions: Sequence[Condition]) -> list[Unit]:
+    """``run_conditions``' batches as units: one per batch of ``--batch`` instances (its evictions seeded by the batch
+    index), one part per condition (the text before the box replayed once and forked); the instances are built
+    here, so a worker needs only the model. The first batch audits its keep-logs."""
     names = [c.name for c in conditions]
     if len(set(names)) != len(names):
         raise ValueError(f"condition names must be unique, got {names}")
-    n_batches = math.ceil(a.instances / a.batch)
-    todo = []
-    for bi in range(n_batches):
+    a, path = s.config, str(s.results.path)
+    output = Output(path, s.results.config, KEY)
+    out = []
+    for bi in range(math.ceil(a.instances / a.batch)):
         idx = list(range(bi * a.batch, min(a.instances, (bi + 1) * a.batch)))
-        missing = [c for c in conditions if any((i, c.name, f) not in s.results.done
-                                                for i in idx for f in range(s.builder.n_facts))]
-        if missing:
-            todo.append((bi, idx, missing))
-    done_before = n_batches * len(conditions) - sum(len(m) for _, _, m in todo)
-    if done_before:
-        tqdm.write(f"{s.results.path}: {done_before} of {n_batches * len(conditions)} batch x condition results "
-                   f"already there (an earlier run, or the results shipped with the repo); "
-                   + ("computing the rest" if todo else "nothing to compute, printing them")
-                   + "; --restart recomputes everything")
-    bar = tqdm(total=n_batches * len(conditions), initial=done_before, desc=desc or s.probe, unit="cond")
-    audited = False
-    for bi, idx, missing in todo:
-        instances = [s.builder.build(i) for i in idx]
-        audit = not audited
-        ids = torch.tensor([inst.ids for inst in instances])
-        make = lambda keep_log: s.make_cache(bi, keep_log)  # noqa: E731
-        for cond, result, cache, rounds in run_batch(s.model, instances, missing, make, audit=audit):
-            if audit:
-                checked = audit_keep_log(cache, cond, instances[0].facts, s.n_heads)
-                if checked:
-                    tqdm.write(f"audit {cond.name}: fact boxes held exactly where specified "
-                               f"({checked} round x layer x row x head records after the box)")
-            rows = []
-            for f in range(s.builder.n_facts):
-                lp, ok = fact_metrics(result, ids, instances[0].facts[f])
-                for j, inst in enumerate(instances):
-                    fact = inst.facts[f]
-                    rows.append({
-                        "instance": inst.index, "condition": cond.name, "fact": f, "name": fact.name,
-                        "value": fact.value, "lp": float(lp[j]), "retrieved": bool(ok[j]),
-                        "answer_tokens": fact.answer_end - fact.answer_start,
-                        "rounds": cache.events[0], "rounds_after_fact": rounds,
-                        **cond.meta,
-                    })
-            s.results.append(rows)
-            bar.update(1)
-        audited = True
-    bar.close()
-    wanted = {(i, n) for i in range(a.instances) for n in names}
-    return [r for r in s.results.rows if (r["instance"], r["condition"]) in wanted]
+        work = {"instances": [s.builder.build(i) for i in idx], "conditions": list(conditions), "audit": bi == 0,
+                "spec": None if s.no_eviction else s.spec, "seed": a.seed * 1_000_003 + bi,
+                "length": s.builder.length, "n_facts": s.builder.n_facts}
+        out.append(make_unit("planted", s.results.config["model"], output, {}, [{"instance": i} for i in idx], work,
+                             parts=[{"condition": n} for n in names], fanout={"fact": list(range(s.builder.n_facts))},
+                             salt=[work["seed"], s.no_eviction], label=f"{s.probe} batch {bi}"))
+    return out
+
+
+def batch_cache(work: dict, keep_log: bool = False) -> randattn.EvictingCache:
+    """A planted-fact unit's cache (as :meth:`Session.make_cache` builds it for that batch)."""
+    if work["spec"] is None:  # full attention through the same code path
+        return randattn.EvictionSpec.full().make_cache(max_tokens=work["length"], keep_log=keep_log)
+    return dataclasses.replace(work["spec"], seed=work["seed"]).make_cache(keep_log=keep_log)
+
+
+def run_unit(model, tok, unit: Unit):
+    """Replay one batch of instances under each of the unit's conditions; yields each condition's rows."""
+    w = unit.work
+    parts = {p["condition"] for p in unit.parts}
+    conditions = [c for c in w["conditions"] if c.name in parts]
+    instances, n_heads = w["instances"], model_shape(model)[0]
+    ids = torch.tensor([inst.ids for inst in instances])
+    make = lambda keep_log: batch_cache(w, keep_log)  # noqa: E731
+    for cond, result, cache, rounds in run_batch(model, instances, conditions, make, audit=w["audit"]):
+        if w["audit"]:
+            checked = audit_keep_log(cache, cond, instances[0].facts, n_heads)
+            if checked:
+                tqdm.write(f"audit {cond.name}: fact boxes held exactly where specified "
+                           f"({checked} round x layer x row x head records after the box)")
+        rows = []
+        for f in range(w["n_facts"]):
+            lp, ok = fact_metrics(result, ids, instances[0].facts[f])
+            for j, inst in enumerate(instances):
+                fact = inst.facts[f]
+                rows.append({
+                    "instance": inst.index, "condition": cond.name, "fact": f, "name": fact.name,
+                    "value": fact.value, "lp": float(lp[j]), "retrieved": bool(ok[j]),
+                    "answer_tokens": fact.answer_end - fact.answer_start,
+                    "rounds": cache.events[0], "rounds_after_fact": rounds,
+                    **cond.meta,
+                })
+        yield rows
+
+
+def session_rows(s: Session, conditions: Sequence[Condition], rows: Optional[list] = None) -> list[dict]:
+    """The rows of this run's instances under ``conditions`` (``rows``: of the session's file), in file order."""
+    wanted = {(i, c.name) for i in range(s.config.instances) for c in conditions}
+    return [r for r in (s.results.rows if rows is None else rows) if (r["instance"], r["condition"]) in wanted]
+
+
+def session_plan(s: Session, conditions: Sequence[Condition], *, then=None) -> Plan:
+    """A planted-fact probe's plan: its session's file, the batches under ``conditions`` (``then``: a further
+    stage from ``{path: rows}``). ``s`` comes from ``setup(..., open_results=False)``."""
+    return Plan(s.probe, s.config, [s.results], condition_units(s, conditions), then=then,
+                meta={"session": s, "conditions": list(conditions)})
+
+
+def session_merge(report: Callable[[Session, list], None]) -> Callable[[Plan, dict, bool], list]:
+    """A planted-fact probe's merge: its own ``report(session, rows)`` on the merged file (summary and figure
+    exactly as its command line writes them)."""
+    def merge(plan: Plan, rows: dict, figures: bool) -> list:
+        s = plan.meta["session"]
+        path = Path(s.results.path)
+        s = dataclasses.replace(s, results=ResultsFile(path, s.results.config, KEY))  # the merged file, read back
+        report(s, session_rows(s, plan.meta["conditions"]))
+        return [path, summary_path(s)]
+
+    return merge
+
+
+def run_conditions(s: Session, conditions: Sequence[Condition], *, desc: Optional[str] = None) -> list[dict]:
+    """Run every instance under every condition here (the local backend over :func:`condition_units`, resuming
+    what is done); returns this run's rows."""
+    units = condition_units(s, conditions)
+    run_local(Plan(s.probe, s.config, [], units), s.model, s.tok, desc=desc or s.probe,
+              files={str(s.results.path): s.results})
+    return session_rows(s, conditions)
 
 
 def parity_check(s: Session, condition: Condition, n: int) -> float:
@@ -315,3 +346,8 @@ def write_csv(path: "str | Path", table: Sequence[dict]) -> Path:
     w.writeheader()
     w.writerows(table)
     return write_text(path, buf.getvalue())
+
+
+#: The runner of every planted-fact probe's units (head pooling, scatter, blocks, two facts, passcode, ...): their
+#: plans and merges are their own, the units they plan all run here.
+KIND = Kind("planted", PlantedConfig, None, run_unit, None)

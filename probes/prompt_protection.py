@@ -33,9 +33,8 @@ from analysis.names import result_name
 from analysis.prompt_protection import summarize
 
 from . import cli
-from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
+from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
 from .planted_run import load, write_csv
-from .policy_specs import bind_policies, check_policy
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 RESTATE = "\n\nLet me restate the question: "
@@ -92,11 +91,9 @@ def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *
     built = [tasks.build(k) for k in idx]
     ids = torch.tensor([b[0] for b in built], device=model.device)
     score_from = built[0][1]
-    if policy == "full":
-        cache = randattn.EvictingCache("random", budget=ids.shape[1] + 1, buffer=1, protect_prompt=False)
-    else:
-        cache = randattn.EvictingCache(policy, budget=budget, buffer=buffer, protect_prompt=protect, seed=seed,
-                                       **(options or {}))
+    spec = randattn.EvictionSpec.full() if policy == "full" else randattn.EvictionSpec(
+        policy, budget, buffer, protect_prompt=protect, seed=seed, options=options or {})
+    cache = spec.make_cache(max_tokens=ids.shape[1])
     res = randattn.replay(model, ids, cache, prompt_len=tasks.prompt_len, score_from=score_from)
     target = ids[:, score_from:].cpu()
     lp = res.logprobs[:, score_from:].double()
@@ -112,15 +109,12 @@ def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *
 
 
 @dataclass
-class Config(RunConfig):
+@eviction(policies=randattn.COMPARED_POLICIES, budget=256, buffer=16)
+class Config(EvictionConfig):
     """A question restated after a long body: how much of it each policy kept, score-only vs protected
     (``python -m probes.prompt_protection``)."""
 
     traces: Optional[str] = option(None, "JSONL with 'question' and 'text' fields (default: the shipped corpus)")
-    policies: tuple[str, ...] = option(randattn.COMPARED_POLICIES, "policies compared")
-    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
-                         check=POSITIVE)
-    buffer: int = option(16, "r: new pairs between rounds", check=POSITIVE)
     body: int = option(512, "reasoning tokens between question and restatement (body / r rounds run)", check=POSITIVE)
     paper: bool = option(False, "the paper's T=1024, r=64 with a 2,048-token body (32 rounds)")
     instances: int = option(16, "problems (paired across policies and modes)", check=POSITIVE)
@@ -131,10 +125,8 @@ class Config(RunConfig):
             self.budget, self.buffer, self.body = 1024, 64, 2048
         super().__post_init__()
 
-    def check(self) -> None:
-        check_budget(self.budget, self.buffer)
-        for spec in self.policies:
-            check_policy("policies", spec)
+    def protection_of(self, policy: str) -> Optional[bool]:
+        return None  # every policy runs score-only and protected
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
@@ -146,7 +138,8 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
         raise ConfigError("traces", str(exc)) from None
     folder = out_folder("prompt_protection", config.out)
     model, tok = load(config, None if model is None else (model, tokenizer))
-    bind_policies("policies", config.policies, model)
+    for pol in config.policies:  # every policy binds before the first runs (a policy refusing the model stops here)
+        config.bind(config.spec(pol), model)
     tasks = Tasks(tok, rows, body=config.body, seed=config.seed)
     if len(tasks) < config.instances:
         raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
@@ -159,9 +152,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     if limit and longest > limit:
         raise ConfigError("body", f"{config.body} makes instances of {longest} tokens, past the model's "
                                   f"max_position_embeddings={limit}; use --body <= {config.body - (longest - limit)}")
-    if config.budget < tasks.prompt_len + 1 + config.buffer:
-        raise ConfigError("budget", f"T={config.budget} cannot hold the {tasks.prompt_len}-token protected prompt plus "
-                                    f"one slot beside the recent window of r={config.buffer}")
+    config.fits(None, tasks.prompt_len)  # the protected arms pin the prompt
     model_name = config.model or randattn.DEFAULT_MODEL
     record = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": config.budget,
               "buffer": config.buffer, "body": config.body, "seed": config.seed, "batch": config.batch,

@@ -23,14 +23,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import randattn
 from analysis.names import result_name
 from analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
 from . import cli, passcode
 from .blocks import full_attention, run_nll
-from .config import POSITIVE, ConfigError, option
+from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
 from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
 from .results import out_folder
@@ -39,11 +38,11 @@ POLICIES = ("random", "random-shared")
 
 
 @dataclass
+@eviction(policy=setting("random", help="fixed: random vs random-shared", cli=False))
 class Config(PlantedConfig):
     """Shared vs per-head draws (``python -m probes.shared_draw``)."""
 
     instances: int = option(32, "planted-fact instances per policy", check=POSITIVE)
-    policy: str = option("random", "fixed: random vs random-shared", cli=False)
     sequences: int = option(16, "trace sequences for the next-token loss", check=POSITIVE)
     length: int = option(1024, "tokens per trace sequence", check=POSITIVE)
     rounds: int = option(57, "passcode: rounds between statement and answer", check=POSITIVE)
@@ -90,9 +89,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
         a = config
         arms = {"full": full_attention(config.length)}
         for policy in POLICIES:
-            arms[policy] = (lambda pol: lambda bi: randattn.EvictingCache(
-                pol, budget=a.budget, buffer=a.buffer, protect_prompt=a.protect_prompt,
-                seed=a.seed * 1_000_003 + bi))(policy)
+            arms[policy] = (lambda pol: lambda bi: a.spec(pol, seed=a.seed * 1_000_003 + bi).make_cache())(policy)
         out = s.results.path.parent / result_name("shared_draw", a, "nll", model=s.results.config["model"])
         nll = run_nll(s, arms, config.sequences, config.length, out, desc="next-token loss")
     codes = {}

@@ -33,12 +33,13 @@ import randattn
 from randattn import keepstats
 from analysis.names import result_name
 from analysis.survival import Pooled, mean_deficit, pool
+from randattn.rules import longest_prompt
 from randattn.traces import load_traces
 
 from . import cli
-from .config import POSITIVE, ConfigError, RunConfig, check_budget, option
+from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load
-from .policy_specs import bind_policies, calibration_options, check_policy, check_stats_used, native_protection
+from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 
 PAPER = {"budget": 1024, "buffer": 64}
@@ -52,26 +53,21 @@ ROUND_TABLE_N = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 
 @dataclass
-class Config(RunConfig):
+@eviction(policies=setting(None, help="policies to run (default: every registered one)"), budget=256, buffer=16,
+          stats=None)
+class Config(EvictionConfig):
     """Survival curves and keep-log metrics per policy (``python -m probes.survival``)."""
 
-    policies: Optional[tuple[str, ...]] = option(None, "policies to run (default: every registered one)",
-                                                 metavar="POLICY")
     modes: tuple[str, ...] = option(tuple(MODES), "'protected': prompt pinned (the paper's '+ prompt protection'); "
                                                   "'score-only': the policy alone decides about the prompt too",
                                     choices=tuple(MODES))
-    budget: int = option(256, "T: pairs each KV head holds right after a round, the newest r among them",
-                         check=POSITIVE)
-    buffer: int = option(16, "r: new pairs between rounds (T=256, r=16 keeps the paper's per-round survival "
-                             "(T-r)/T = 0.9375)", check=POSITIVE)
-    paper: bool = option(False, "the paper's geometry T=1024, r=64 (overrides --budget/--buffer)")
+    paper: bool = option(False, "the paper's geometry T=1024, r=64 (overrides --budget/--buffer; T=256, r=16 keeps "
+                                "its per-round survival (T-r)/T = 0.9375)")
     rounds: int = option(24, "eviction rounds per layer; each sequence is cut to T + rounds*r tokens", check=POSITIVE)
     sequences: int = option(4, "sequences (chats of real traces) per policy", check=POSITIVE)
     batch: int = option(4, "sequences replayed together (same prompt length)", check=POSITIVE)
     traces: Optional[str] = option(None, "JSONL with 'question' and 'text' fields per row (default: the embedded "
                                          "model's own solutions, shipped with the package)")
-    stats: Optional[str] = option(None, "TriAttention statistics for --model (python -m randattn.calibrate); the "
-                                        "embedded model's ship with the package")
     age_bin: Optional[int] = option(None, "age bin width in tokens (default: r, one round)", check=POSITIVE)
     entropy_bins: int = option(10, "age bins of the coverage entropy", check=POSITIVE)
 
@@ -84,11 +80,11 @@ class Config(RunConfig):
         self.modes = tuple(dict.fromkeys(self.modes))
         super().__post_init__()
 
+    def protection_of(self, policy: str) -> Optional[bool]:
+        return None  # each mode is its own arm (--modes)
+
     def check(self) -> None:
-        check_budget(self.budget, self.buffer)
-        for spec in self.policies:
-            check_policy("policies", spec)
-        check_stats_used(self.stats, self.policies)
+        self.check_eviction()
         if self.stats is not None:
             try:
                 randattn.load_stats(self.stats)
@@ -139,13 +135,13 @@ def build_chats(tok, rows: list[dict], n: int, length: int, seed: int, max_promp
         if len(prompts[i]) < max_prompt:
             groups.setdefault(len(prompts[i]), []).append(i)
     if not groups:
-        raise ValueError(f"no trace question fits a protected prompt in K (every prompt has >= {max_prompt} tokens); "
+        raise ConfigError("budget", f"no trace question fits a protected prompt in K (every prompt has >= {max_prompt} tokens); "
                          f"raise --budget")
     # Upper bound on what the traces can give (each chat re-renders its turns, so find out before building any).
     available = sum(map(len, prompts.values())) + sum(
         map(len, tok([r["text"] for r in rows], add_special_tokens=False)["input_ids"]))
     if n * length > available:
-        raise ValueError(f"the traces run out: {n} sequences of {length} tokens need {n * length} tokens, the traces "
+        raise ConfigError("rounds", f"the traces run out: {n} sequences of {length} tokens need {n * length} tokens, the traces "
                          f"hold about {available}; use fewer --sequences or --rounds, or longer --traces")
     firsts = [i for _, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])) for i in g][:n]
     taken = set(firsts)
@@ -162,7 +158,7 @@ def build_chats(tok, rows: list[dict], n: int, length: int, seed: int, max_promp
             if len(ids) >= length:
                 break
             if not pool:
-                raise ValueError(f"the traces run out: {n} sequences of {length} tokens need more text; use fewer "
+                raise ConfigError("rounds", f"the traces run out: {n} sequences of {length} tokens need more text; use fewer "
                                  f"--sequences or --rounds")
             nxt = pool.pop(0)
             turns.append((rows[nxt]["question"], rows[nxt]["text"]))
@@ -187,8 +183,7 @@ def run_batch(model, chats: list[Chat], policy: str, mode: str, args, options: d
     """Replay one batch under one policy and mode with a keep-log; one result row per sequence."""
     protected = MODES[mode]
     prompt_len = chats[0].prompt_len
-    cache = randattn.EvictingCache(policy, budget=args.budget, buffer=args.buffer, protect_prompt=protected,
-                                   seed=seed, keep_log=True, **options)
+    cache = args.spec(policy, protect_prompt=protected, seed=seed, options=options).make_cache(keep_log=True)
     ids = torch.tensor([c.ids for c in chats], device=model.device)
     t0 = time.perf_counter()
     randattn.replay(model, ids, cache, prompt_len=prompt_len, score_from=ids.shape[1])
@@ -270,7 +265,6 @@ def _slug(config: dict) -> str:
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
     """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``."""
-    options = {pol: calibration_options(pol, config.stats) for pol in config.policies}
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
         rows = read_rows(traces)
@@ -278,16 +272,15 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
         raise ConfigError("traces", str(exc)) from None
     folder = out_folder("survival", config.out)
     model, tok = load(config, None if model is None else (model, tokenizer))
-    bind_policies("policies", config.policies, model, options.get)
+    for pol in config.policies:  # every policy binds before the first runs (a policy refusing the model stops here)
+        config.bind(config.spec(pol), model)
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     length = config.budget + config.rounds * config.buffer
     # A protected prompt needs a free slot beside the recent window of r; score-only prompts just have to leave
     # room for generated text.
-    max_prompt = config.budget - config.buffer if "protected" in config.modes else config.budget + config.buffer
-    try:
-        chats = build_chats(tok, rows, config.sequences, length, config.seed, max_prompt)
-    except ValueError as exc:
-        raise ConfigError("rounds" if "run out" in str(exc) else "budget", str(exc)) from None
+    max_prompt = (longest_prompt(config.budget, config.buffer) + 1 if "protected" in config.modes
+                  else config.budget + config.buffer)
+    chats = build_chats(tok, rows, config.sequences, length, config.seed, max_prompt)
     record = {"probe": "survival", "engine": randattn.ENGINE, "model": config.model or randattn.DEFAULT_MODEL,
               "traces": trace_label(traces), "budget": config.budget, "buffer": config.buffer, "rounds": config.rounds,
               "length": length, "sequences": config.sequences, "batch": config.batch, "seed": config.seed,
@@ -312,7 +305,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="survival", unit="run")
     for pol, mode, bi, batch in todo:
         bar.set_postfix_str(f"{pol}/{mode}")
-        new = run_batch(model, batch, pol, mode, config, options[pol], seed=config.seed * 1_000_003 + bi)
+        new = run_batch(model, batch, pol, mode, config, {}, seed=config.seed * 1_000_003 + bi)
         if new[0]["rounds_min"] != config.rounds or new[0]["rounds_max"] != config.rounds:
             tqdm.write(f"note: {pol}/{mode} ran {new[0]['rounds_min']}-{new[0]['rounds_max']} rounds per layer, "
                        f"not {config.rounds} (a prompt longer than T + r is cut at its prefill)")

@@ -10,11 +10,12 @@ Core objects:
 """
 
 from .cache import ENGINE, EvictingCache, EvictingLayer, round_seed
-from .spec import EvictionSpec
+from .spec import EvictionSpec, SpecError
 from .decoding import Replay, ReplayResult, decode_step, generate, replay, replay_tokenwise
 from .keeplog import KeepLog
 from .models import (
     DEFAULT_MODEL,
+    ModelRef,
     UnsupportedModelError,
     cache_argument_name,
     check_model,
@@ -45,6 +46,8 @@ __all__ = [
     "EvictingCache",
     "EvictingLayer",
     "EvictionSpec",
+    "SpecError",
+    "ModelRef",
     "KeepLog",
     "CacheView",
     "Policy",

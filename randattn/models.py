@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import inspect
@@ -12,6 +13,7 @@ import struct
 import tempfile
 import types
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +29,8 @@ __all__ = [
     "refuse_used_cache",
     "cache_argument_name",
     "UnsupportedModelError",
+    "ModelRef",
+    "embedded_name",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -40,6 +44,46 @@ _EMBEDDED = {
     ),
 }
 _EMBEDDED_ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+
+
+def embedded_name(name: "str | os.PathLike | None") -> Optional[str]:
+    """The embedded model ``name`` names (its key, e.g. ``"smollm2-135m"``, any case or alias; ``None``: the
+    default model), or None when it names another model. The one lookup of embedded names."""
+    name = DEFAULT_MODEL if name is None else str(name)
+    key = _EMBEDDED_ALIASES.get(name.lower(), name.lower())
+    return key if key in _EMBEDDED else None
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which model a run uses, as a value passed around explicitly (records, policies' shipped statistics):
+    ``name`` as given (``--model``, default the embedded model), ``path`` it loads from (a local directory, else
+    None: a hub id or the embedded files), ``revision`` (the embedded distribution's version, or the hub commit the
+    loaded config names), and ``embedded``: the embedded model's key, or None."""
+
+    name: str
+    path: Optional[str] = None
+    revision: Optional[str] = None
+    embedded: Optional[str] = None
+
+    @classmethod
+    def of(cls, name_or_path: "str | os.PathLike | None" = None, *, revision: Optional[str] = None) -> "ModelRef":
+        """The reference of a model name or directory, without loading anything."""
+        name = DEFAULT_MODEL if name_or_path is None else str(name_or_path)
+        key = embedded_name(name)
+        if key is not None:
+            return cls(name, None, revision or _EMBEDDED[key][1], key)
+        return cls(name, name if _local_model_dir(name) else None, revision, None)
+
+    @classmethod
+    def of_model(cls, model) -> "ModelRef":
+        """The reference :func:`load_model` gave ``model``; for a model loaded another way, its ``name_or_path``."""
+        ref = model.__dict__.get("_randattn_ref") if hasattr(model, "__dict__") else None
+        if ref is not None:
+            return ref
+        config = getattr(model, "config", None)
+        name = getattr(config, "_name_or_path", None) or type(model).__name__
+        return cls(str(name), None, getattr(config, "_commit_hash", None), None)
 
 # Layer kinds without per-head KV pairs to evict (state-space / linear attention / MLP-only).
 _NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "moe", "mlp", "dummy"}
@@ -282,7 +326,7 @@ def load_model(
     dev = resolve_device(device)
     dt = _resolve_dtype(dtype, dev)
     name = name_or_path or DEFAULT_MODEL
-    key = _EMBEDDED_ALIASES.get(str(name).lower(), str(name).lower())
+    key = embedded_name(name) or str(name).lower()
     local = key in _EMBEDDED or _local_model_dir(str(name))
     source = _converted_embedded(key) if key in _EMBEDDED else name
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code)
@@ -307,6 +351,10 @@ def load_model(
     check_model(model)
     # Which embedded model this is, for policies with shipped per-model calibration (Policy.bind).
     model._randattn_embedded = key if key in _EMBEDDED else None
+    ref = ModelRef.of(name)
+    if ref.embedded is None and ref.revision is None:
+        ref = dataclasses.replace(ref, revision=getattr(model.config, "_commit_hash", None))
+    model._randattn_ref = ref  # ModelRef.of_model(model): pass it on explicitly
     install_guards(model)
     return model, tokenizer
 

@@ -11,7 +11,7 @@ import numpy as np
 from .policies import Policy, paper_mode_twin
 
 __all__ = ["SpecError", "Problem", "check_sizes", "resolve_recent", "resolve_protection", "check_scope", "min_budget",
-           "prompt_fits_problem"]
+           "longest_prompt", "prompt_fits_problem"]
 
 
 class SpecError(ValueError):
@@ -25,13 +25,15 @@ class SpecError(ValueError):
 
 class Problem(str):
     """What :func:`prompt_fits_problem` (and :meth:`randattn.EvictionSpec.validate`) return for a prompt that does
-    not fit: the message, a plain ``str``, with ``field`` naming the setting that fixes it (``budget``)."""
+    not fit: the message, a plain ``str``, with ``field`` naming the setting that fixes it (``budget``) and ``need``
+    the smallest value that does (so a command line can word the fix with its own flags)."""
 
     field: str
+    need: int
 
-    def __new__(cls, message: str, field: str):
+    def __new__(cls, message: str, field: str, need: int):
         obj = super().__new__(cls, message)
-        obj.field = field
+        obj.field, obj.need = field, need
         return obj
 
 
@@ -89,6 +91,11 @@ def min_budget(prompt_len: int, recent: int) -> int:
     return prompt_len + 1 + recent
 
 
+def longest_prompt(budget: int, recent: int) -> int:
+    """The longest protected prompt a budget ``T`` holds (the inverse of :func:`min_budget`): ``T - 1 - recent``."""
+    return budget - 1 - recent
+
+
 def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: bool) -> Optional[Problem]:
     """The one prompt-fits rule: ``None`` when a ``prompt_len``-token prompt fits, else the :class:`Problem` (a
     ``str``, its ``field`` ``budget``), naming the fields that fix it (``budget``, ``protect_prompt``). An
@@ -98,6 +105,6 @@ def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: b
     need = min_budget(prompt_len, recent)
     if protect and need > budget:
         return Problem(f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
-                       f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False", "budget")
+                       f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False", "budget", need)
     return None
 

@@ -87,7 +87,9 @@ class EvictionSpec:
         # The same order as EvictingCache: sizes, then the policy (a wrong name is the error a user wants first).
         check_sizes(self.budget, self.buffer)
         set_("_options", types.MappingProxyType(self._with_stats()))
-        resolved, native = _resolve(self.policy, self._options)
+        from_stats = self._stats_option() if self.stats is not None else None
+        from_stats = None if from_stats in self.options else from_stats
+        resolved, native = _resolve(self.policy, self._options, from_stats)
         recent = resolve_recent(self.budget, self.buffer, self.recent)
         set_("seed", _seed(self.seed))
         protect = resolve_protection(self.policy, resolved, native, self.protect_prompt)
@@ -101,14 +103,17 @@ class EvictionSpec:
         opts = dict(self.options)
         if self.stats is None:
             return opts
-        if isinstance(self.policy, str):
-            option = _resolve(self.policy, {})[0].calibration  # a class attribute: read before the options
-        elif getattr(self.policy, "calibration", None):
-            raise SpecError("stats", f"stats given with a built policy ({self.policy!r}); pass its calibration data to the "
-                             "policy itself, or name the policy (e.g. 'triattention') so the spec can")
-        else:
-            option = None
+        option = self._stats_option()
         return {option: self.stats, **opts} if option else opts
+
+    def _stats_option(self) -> Optional[str]:
+        """The policy option ``stats`` goes to (``Policy.calibration``), or None."""
+        if isinstance(self.policy, str):
+            return _resolve(self.policy, {})[0].calibration  # a class attribute: read before the options
+        if getattr(self.policy, "calibration", None):
+            raise SpecError("stats", f"stats given with a built policy ({self.policy!r}); pass its calibration data to "
+                            "the policy itself, or name the policy (e.g. 'triattention') so the spec can")
+        return None
 
     # -- what it resolved to ---------------------------------------------------------------------------------------
     @property
@@ -134,6 +139,13 @@ class EvictionSpec:
     def cache_options(self) -> dict:
         """The policy options a cache gets: ``stats`` under the policy's calibration option, then ``options``."""
         return dict(self._options)
+
+    def bind(self, model) -> "EvictionSpec":
+        """Ask the resolved policy whether it can serve ``model`` (:meth:`Policy.bind`: TriAttention without
+        statistics for it refuses), before any cache is built; a full spec binds to anything. Returns ``self``."""
+        if self._policy is not None:
+            self._policy.bind(model)
+        return self
 
     # -- the rule and the caches -----------------------------------------------------------------------------------
     def validate(self, prompt_len: int) -> Optional[Problem]:
@@ -164,9 +176,10 @@ class EvictionSpec:
                              protect_prompt=self.protect_prompt, seed=self.seed, **kw, **self.cache_options)
 
 
-def _resolve(policy, options: Mapping[str, Any]):
-    """``make_policy_and_mode``, its refusal a :class:`SpecError` naming ``options`` when the name alone resolves
-    (the options are what is wrong), else ``policy``."""
+def _resolve(policy, options: Mapping[str, Any], from_stats: Optional[str] = None):
+    """``make_policy_and_mode``, its refusal a :class:`SpecError` naming what is wrong: ``policy`` when the name
+    alone does not resolve, ``stats`` when the option ``stats`` filled (``from_stats``) is what fails, else
+    ``options``."""
     try:
         return make_policy_and_mode(policy, **options)
     except ValueError as exc:
@@ -175,7 +188,10 @@ def _resolve(policy, options: Mapping[str, Any]):
             try:
                 make_policy_and_mode(policy)
                 field_ = "options"
-            except (ValueError, TypeError):
+                if from_stats in options:
+                    make_policy_and_mode(policy, **{k: v for k, v in options.items() if k != from_stats})
+                    field_ = "stats"
+            except (ValueError, TypeError, FileNotFoundError):
                 pass
         raise SpecError(field_, str(exc)) from exc
 

@@ -213,9 +213,9 @@ def _resolve(spec: "str | os.PathLike") -> Path:
         return path
     name = str(spec)
     if re.fullmatch(r"[\w.\-]+", name) and not name.endswith(".pt"):
-        from .models import _EMBEDDED_ALIASES
+        from .models import embedded_name
 
-        key = _EMBEDDED_ALIASES.get(name.lower(), name.lower())
+        key = embedded_name(name) or name.lower()
         shipped = shipped_stats()
         if key in shipped:
             return shipped[key]

@@ -62,6 +62,8 @@ PASSCODE = ["--model", "{TINY}", "--out", "{S}/out", "--no-figure", "--budget", 
 ACCURACY = ["--model", "{TINY}", "--out", "{S}/out", "--no-figure", "--task", "copy", "--problems", "2", "--runs", "1",
             "--max-new-tokens", "8", "--policy", "full", "random", "--budget", "224", "--buffer", "8"]
 CHALLENGE = ["--model", "{TINY}", "--quick", "--out", "{S}/ch", "--no-figure"]
+LEADERBOARD = ["--model", "{TINY}", "--out", "{S}/lb", "--no-figure", "--problems", "2", "--instances", "2",
+               "--passcode-instances", "2", "--planted-instances", "2", "--policies", "recency"]
 DEMO = ["--model", "{TINY}", "--max-new-tokens", "4", "--layers", "0"]
 TRACES = ["--model", "{TINY}", "--out", "{S}/t.jsonl", "--batch", "2", "--max-new-tokens", "8", "--tokens", "10"]
 BENCH = ["--model", "{TINY}", "--out", "{S}/b.json", "--new-tokens", "64", "--budget", "128", "--buffer", "8"]
@@ -71,13 +73,13 @@ NOT_OURS = "not a results file written by randattn"
 # (id, module, argv, message on stderr). {S}: the scratch folder; {TINY}: the tiny model's directory.
 CLI_ROWS = [
     # -- the planted-fact probes (head_pooling, scatter, two_facts, blocks, shared_draw) --------------------------
-    ("hp-seed-negative", "probes.head_pooling", ["--seed", "-1"], "--seed: must be a non-negative integer, got -1"),
+    ("hp-seed-negative", "probes.head_pooling", ["--seed", "-1"], "--seed: must be an integer in [0, 2**64), got -1"),
     ("hp-seed-fraction", "probes.head_pooling", ["--seed", "1.7"], "--seed: expected an integer, got '1.7'"),
-    ("hp-seed-2**64", "probes.head_pooling", ["--seed", str(2**64)], "--seed: must be below 2**64"),
+    ("hp-seed-2**64", "probes.head_pooling", ["--seed", str(2**64)], "--seed: must be an integer in [0, 2**64), got 18446744073709551616"),
     ("hp-budget-0", "probes.head_pooling", ["--budget", "0"], "--budget: must be a positive integer, got 0"),
     ("hp-budget-abc", "probes.head_pooling", ["--budget", "abc"], "--budget: expected an integer, got 'abc'"),
     ("hp-buffer-0", "probes.head_pooling", ["--buffer", "0"], "--buffer: must be a positive integer, got 0"),
-    ("hp-buffer-fills-budget", "probes.head_pooling", ["--buffer", "64"], "--budget: T=64 must exceed r=64"),
+    ("hp-buffer-fills-budget", "probes.head_pooling", ["--buffer", "64"], "--budget: T=64 must exceed the recent window r=64"),
     ("hp-instances-0", "probes.head_pooling", ["--instances", "0"], "--instances: must be a positive integer"),
     ("hp-batch-0", "probes.head_pooling", ["--batch", "0"], "--batch: must be a positive integer"),
     ("hp-parity-negative", "probes.head_pooling", ["--parity", "-1"], "--parity: must be a non-negative integer"),
@@ -124,7 +126,7 @@ CLI_ROWS = [
         "--figure-dir", "{S}/notes.txt"], "--figure-dir: {S}/notes.txt is a file, not a folder"),
     ("hp-distance-negative", "probes.head_pooling", ["--distance", "-5"], "--distance: must be a positive integer"),
     ("hp-unknown-flag", "probes.head_pooling", ["--no-protect-prompt"], "unrecognized arguments: --no-protect-prompt"),
-    ("scatter-seed-negative", "probes.scatter", ["--seed", "-1"], "--seed: must be a non-negative integer"),
+    ("scatter-seed-negative", "probes.scatter", ["--seed", "-1"], "--seed: must be an integer in [0, 2**64)"),
     ("scatter-parity-negative", "probes.scatter", ["--parity", "-1"], "--parity: must be a non-negative integer"),
     ("scatter-policy-unknown", "probes.scatter", ["--policy", "nope"], "--policy: 'nope' is unknown"),
     ("two-facts-instances-0", "probes.two_facts", ["--instances", "0"], "--instances: must be a positive integer"),
@@ -204,7 +206,7 @@ CLI_ROWS = [
     ("acc-protocol-contradiction", "probes.accuracy", ACCURACY + ["--protocol", "protected", "--no-protect-prompt"],
      "--protocol: --no-protect-prompt and --protocol protected disagree"),
     ("acc-out-unwritable", "probes.accuracy", ACCURACY + ["--out", "/proc/randattn-out"], "--out: "),
-    ("acc-seed-negative", "probes.accuracy", ACCURACY + ["--seed", "-1"], "--seed: must be a non-negative integer"),
+    ("acc-seed-negative", "probes.accuracy", ACCURACY + ["--seed", "-1"], "--seed: must be an integer in [0, 2**64)"),
     # -- challenge ---------------------------------------------------------------------------------------------------
     ("challenge-no-selector", "probes.challenge", CHALLENGE, "--policy: give your selector"),
     ("challenge-random-as-selector", "probes.challenge", CHALLENGE + ["--policy", "random"],
@@ -232,6 +234,29 @@ CLI_ROWS = [
      "--device: device 'cuda'"),
     ("challenge-model-missing", "probes.challenge", CHALLENGE + ["--policy", "recency", "--model", "{S}/nomodel"],
      "--model: model directory"),
+    # -- leaderboard -------------------------------------------------------------------------------------------------
+    ("leaderboard-selector-unknown", "probes.leaderboard", LEADERBOARD + ["--policies", "nope"],
+     "--policies: 'nope' is unknown"),
+    ("leaderboard-selector-missing-callable", "probes.leaderboard", LEADERBOARD + ["--selector", "{S}/sel.py:nothere"],
+     "--selector: policy '{S}/sel.py:nothere': {S}/sel.py has no 'nothere'; callables there: Boom, nan, raises, score"),
+    ("leaderboard-selector-import-raises", "probes.leaderboard", LEADERBOARD + ["--selector", "{S}/raise.py:score"],
+     "raised ImportError: broken selector module"),
+    ("leaderboard-random-as-selector", "probes.leaderboard", LEADERBOARD + ["--selector", "random"],
+     "--selector: random is the reference every selector is measured against"),
+    ("leaderboard-no-selector", "probes.leaderboard", LEADERBOARD + ["--policies"],
+     "argument --policies: expected at least one argument"),
+    ("leaderboard-budget-below-copy-prompt", "probes.leaderboard", LEADERBOARD + ["--budget", "200", "--tasks", "copy"],
+     "--budget: T=200 cannot hold the protected 213-token prompt plus one slot beside the recent window of r=16; use "
+     "T >= 230"),
+    ("leaderboard-budget-below-question-prompt", "probes.leaderboard",
+     LEADERBOARD + ["--budget", "40", "--buffer", "8", "--tasks", "question"],
+     "--budget: question task: T=40 cannot hold the protected 78-token prompt"),
+    ("leaderboard-budget-below-passcode-stub", "probes.leaderboard",
+     LEADERBOARD + ["--budget", "24", "--buffer", "8", "--tasks", "passcode"],
+     "--budget: passcode task stub: T=24 cannot hold the protected 39-token prompt"),
+    ("leaderboard-task-unknown", "probes.leaderboard", LEADERBOARD + ["--tasks", "nope"],
+     "argument --tasks: invalid choice"),
+    ("leaderboard-stats-unused", "probes.leaderboard", LEADERBOARD + ["--stats", "smollm2-135m"], "--stats: no policy"),
     # -- grid --------------------------------------------------------------------------------------------------------
     ("grid-spec-missing", "probes.grid", ["{S}/nope.toml"], "spec: no file"),
     ("grid-spec-not-toml", "probes.grid", ["{S}/notes.txt"], "is not valid TOML"),
@@ -657,7 +682,7 @@ def test_a_sequence_past_max_position_warns():
 def test_the_table_covers_every_command():
     modules = {m for _, m, _, _ in CLI_ROWS}
     for name in ("head_pooling", "scatter", "two_facts", "blocks", "survival", "prompt_protection", "shared_draw",
-                 "passcode", "accuracy", "challenge", "grid", "demo", "traces"):
+                 "passcode", "accuracy", "challenge", "leaderboard", "grid", "demo", "traces"):
         assert f"probes.{name}" in modules
     assert {"figures.__main__", "randattn.calibrate", "randattn.cli"} <= modules
     assert {m for m in modules if m.startswith("bench.")} == {f"bench.{b}" for b in (

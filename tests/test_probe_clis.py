@@ -76,8 +76,8 @@ def test_blocks_runs_both_parts(tiny_dir, tmp_path):
     (["--instances", "0"], "--instances: must be a positive integer, got 0"),
     (["--parity", "-1"], "--parity: must be a non-negative integer, got -1"),
     (["--budget", "abc"], "expected an integer, got 'abc'"),
-    (["--buffer", "64"], "--budget: T=64 must exceed r=64"),
-    (["--seed", "-1"], "--seed: must be a non-negative integer, got -1"),
+    (["--buffer", "64"], "--budget: T=64 must exceed the recent window r=64"),
+    (["--seed", "-1"], "--seed: must be an integer in [0, 2**64), got -1"),
 ])
 def test_bad_flags_name_the_flag(tiny_dir, tmp_path, capsys, flags, message):
     from probes import head_pooling
