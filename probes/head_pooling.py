@@ -22,7 +22,9 @@ from analysis.planted import endpoint_check, pooling_findings, subset_label, sum
 
 from . import cli
 from .planted import Condition, subsets
-from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
+from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
+                          session_merge, session_plan, session_rows, setup)
+from .units import Kind, ModelInfo, Plan
 
 
 def pooling_conditions(n_heads: int, width: int, *, max_all_subsets: int = 8) -> list[Condition]:
@@ -47,6 +49,26 @@ def chain_conditions(order: list[int], n_heads: int, width: int) -> list[Conditi
 @dataclass
 class Config(PlantedConfig):
     """Head pooling: recall of a fact kept only in some KV heads (``python -m probes.head_pooling``)."""
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Every head subset's batches (on models with more than 8 KV heads, the best-k chain as a second stage
+    planned from the single heads' rows)."""
+    s = setup("head_pooling", config, loaded=(model.bind_target, model.tokenizer), open_results=False)
+    conds = pooling_conditions(s.n_heads, config.box_width)
+    if s.n_heads <= 8:
+        return session_plan(s, conds)
+
+    def chain(rows: dict) -> Plan:
+        summaries = summarize(session_rows(s, conds, rows[str(s.results.path)]), [c.name for c in conds],
+                              seed=config.seed)
+        singles = sorted(range(s.n_heads), key=lambda h: -summaries[subset_label((h,), s.n_heads)].recall.value)
+        more = chain_conditions(singles, s.n_heads, config.box_width)
+        p = session_plan(s, more)
+        p.meta["conditions"] = conds + more
+        return p
+
+    return session_plan(s, conds, then=chain)
 
 
 def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
@@ -79,6 +101,8 @@ def report(s: Session, rows: list[dict]) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("head_pooling", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

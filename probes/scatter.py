@@ -24,7 +24,9 @@ from analysis.planted import endpoint_check, rotating_pairs, scatter_compare, su
 from . import cli
 from .config import ConfigError
 from .planted import Condition
-from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
+from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
+                          session_merge, session_plan, setup)
+from .units import Kind, ModelInfo, Plan
 
 
 def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
@@ -46,13 +48,22 @@ class Config(PlantedConfig):
     """Scattered vs intact copies of a planted fact (``python -m probes.scatter``)."""
 
 
+def conditions(s: Session) -> list[Condition]:
+    try:
+        return scatter_conditions(s.n_heads, s.config.box_width)
+    except ValueError as exc:
+        raise ConfigError("model", str(exc)) from None
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    s = setup("scatter", config, loaded=(model.bind_target, model.tokenizer), open_results=False)
+    return session_plan(s, conditions(s))
+
+
 def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
     s = setup("scatter", config, loaded=None if model is None else (model, tokenizer))
     print(describe(s))
-    try:
-        conds = scatter_conditions(s.n_heads, config.box_width)
-    except ValueError as exc:
-        raise ConfigError("model", str(exc)) from None
+    conds = conditions(s)
     parity_check(s, conds[3], config.parity)
     return s, run_conditions(s, conds, desc="scatter")
 
@@ -84,6 +95,8 @@ def report(s: Session, rows: list[dict]) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("scatter", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

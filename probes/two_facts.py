@@ -25,7 +25,9 @@ from analysis.planted import endpoint_check, pair_tests, summarize
 from . import cli
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, setup
+from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
+                          session_merge, session_plan, setup)
+from .units import Kind, ModelInfo, Plan
 
 
 def two_fact_conditions(n_heads: int, width: int, pairs=None) -> list[Condition]:
@@ -49,13 +51,22 @@ class Config(PlantedConfig):
     instances: int = option(32, "instances (paired across conditions)", check=POSITIVE)
 
 
+def conditions(s: Session) -> list[Condition]:
+    if s.n_heads < 2:
+        raise ConfigError("model", "two facts in two heads need a model with >= 2 KV heads")
+    return two_fact_conditions(s.n_heads, s.config.box_width,
+                               pairs=None if s.n_heads <= 4 else [(h, (h + 1) % s.n_heads) for h in range(s.n_heads)])
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    s = setup("two_facts", config, n_facts=2, loaded=(model.bind_target, model.tokenizer), open_results=False)
+    return session_plan(s, conditions(s))
+
+
 def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
     s = setup("two_facts", config, n_facts=2, loaded=None if model is None else (model, tokenizer))
     print(describe(s))
-    if s.n_heads < 2:
-        raise ConfigError("model", "two facts in two heads need a model with >= 2 KV heads")
-    conds = two_fact_conditions(s.n_heads, config.box_width,
-                                pairs=None if s.n_heads <= 4 else [(h, (h + 1) % s.n_heads) for h in range(s.n_heads)])
+    conds = conditions(s)
     parity_check(s, conds[-1], config.parity)
     return s, run_conditions(s, conds, desc="two facts")
 
@@ -89,6 +100,8 @@ def report(s: Session, rows: list[dict]) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("two_facts", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

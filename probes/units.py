@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from tqdm.auto import tqdm
 
 __all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
-           "run_local", "unit_rows", "rows_of_item", "write_rows"]
+           "run_local", "unit_rows", "rows_of_item", "write_rows", "run", "command"]
 
 
 def stable_id(*parts: Any) -> str:
@@ -166,6 +167,7 @@ class Kind:
 
     def __post_init__(self):
         self.results = self.results or self.name
+        _LOADED.setdefault(self.name, self)  # a kind made in this process runs here without registering
 
 
 #: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
@@ -182,11 +184,18 @@ def register(name: str, module: str) -> None:
 
 
 def kind(name: str) -> Kind:
-    """The registered kind ``name``; KeyError naming the known kinds."""
+    """The kind ``name``: a registered one, or any module ``probes.<name>`` that defines ``KIND``; KeyError naming
+    the known kinds otherwise."""
     if name not in _LOADED:
-        if name not in KINDS:
-            raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))}")
-        _LOADED[name] = importlib.import_module(KINDS[name]).KIND
+        module = KINDS.get(name)
+        if module is None:
+            found = importlib.util.find_spec(f"probes.{name}") if name.isidentifier() else None
+            if found is not None and "KIND =" in (Path(found.origin).read_text() if found.origin else ""):
+                module = f"probes.{name}"
+        if module is None:
+            raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))} (or a module of "
+                           "probes/ that defines KIND)")
+        _LOADED[name] = importlib.import_module(module).KIND
     return _LOADED[name]
 
 
@@ -298,3 +307,29 @@ def write_rows(output: Output, rows: list[dict]) -> None:
     tmp.unlink(missing_ok=True)
     ResultsFile(tmp, output.config, output.key).append(rows)
     tmp.replace(path)
+
+
+# -- a probe's command line -------------------------------------------------------------------------
+def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[str] = None) -> tuple[Plan, dict]:
+    """The local backend for one configuration: load the model (unless given), plan, run the pending units;
+    ``(plan, {output path: ResultsFile})``."""
+    from .planted_run import load
+
+    k = kind(k) if isinstance(k, str) else k
+    import randattn
+
+    model, tokenizer = load(config, None if model is None else (model, tokenizer))
+    p = k.plan(config, ModelInfo.loaded(getattr(config, "model", None) or randattn.DEFAULT_MODEL, model, tokenizer))
+    return p, run_local(p, model, tokenizer, restart=getattr(config, "restart", False), desc=desc or k.name)
+
+
+def command(k: Kind, doc: str = "") -> Callable:
+    """``main(argv)`` of a kind's command line: parse its Config, run it here (:func:`run`), then its merge (figures
+    unless ``--no-figure``)."""
+    from . import cli
+
+    def body(config):
+        p, files = run(k, config)
+        k.merge(p, {path: rf.rows for path, rf in files.items()}, not getattr(config, "no_figure", True))
+
+    return lambda argv=None: cli.main(k.config, body, argv, doc)

@@ -348,3 +348,29 @@ def passcode_files(out, grid=True):
     folder = next((out / "passcode").iterdir()) if grid else out
     return {p.name: (_measured(_rows(p)) if p.suffix == ".jsonl" else p.read_text()) for p in sorted(folder.iterdir())
             if p.suffix in (".jsonl", ".csv")}
+
+
+def test_the_probe_of_docs_adding_runs_resumes_and_runs_on_a_grid(tiny_dir, tmp_path, monkeypatch, capsys):
+    """docs/adding.md's probe, as written there: its command line writes rows and resumes them, and a grid of it
+    writes the same rows."""
+    import importlib
+    import re
+    import sys
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "adding.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# probes/my_probe.py")]
+    (tmp_path / "my_probe.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_probe", None)
+    my_probe = importlib.import_module("my_probe")
+    argv = ["--model", tiny_dir, "--out", str(tmp_path / "single"), "--instances", "3", "--batch", "2"]
+    assert my_probe.main(argv) == 0
+    (single,) = (tmp_path / "single").glob("*.jsonl")
+    rows = _rows(single)
+    assert [r["instance"] for r in rows] == [0, 1, 2] and all(r["nll_random"] > 0 for r in rows)
+    assert my_probe.main(argv) == 0 and _rows(single) == rows  # the rerun finds every row
+    assert "nothing to compute" in capsys.readouterr().out
+    spec = _spec(tmp_path, f'probe = "my_probe"\nmodels = ["{tiny_dir}"]\ninstances = 3\nbatch = 2\n')
+    assert _grid(spec, tmp_path / "grid") == 0
+    (merged,) = (tmp_path / "grid" / "my_probe").glob("*.jsonl")
+    assert merged.name == single.name and _measured(_rows(merged)) == _measured(rows)
