@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from analysis.files import DiskFull, NotOurs
 from analysis.rows import BadRow
 
-from .config import ConfigError, build, flag_of, parser_for
+from .config import ConfigError, build, flag_of, parse_values, parser_for
 from .results import RunInUse, release_folders
 
 __all__ = ["main", "draw", "SelectorFailed", "selector_failure"]
@@ -85,7 +85,7 @@ def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Opti
     fails mid-run (:class:`SelectorFailed`, or the core's error naming it): one paragraph, no traceback. Returns the
     exit status: 0, or the int ``body`` returned."""
     parser = parser_for(config_cls, (doc or config_cls.__doc__ or "").strip().splitlines()[0], defaults=defaults)
-    config = build(config_cls, parser, vars(parser.parse_args(argv)))
+    config = build(config_cls, parser, parse_values(config_cls, parser, argv))  # defaults <- --config FILE <- flags
     problem = cache_problem(getattr(config, "model", "")) if hasattr(config, "model") else None
     if problem:
         parser.error(problem)

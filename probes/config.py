@@ -242,18 +242,59 @@ def parser_for(cls, description: str, *, defaults: Optional[dict] = None) -> arg
         if _is_sequence(tp):
             kwargs["nargs"] = "+"
         p.add_argument(flag, **kwargs)
+    p.add_argument(CONFIG_FLAG, dest="config_file", default=None, metavar="FILE",
+                   help="a TOML file of these settings (keys: the names above without the dashes, e.g. budget = 128, "
+                        "policies = [\"random\"]): defaults, then the file, then the flags given here, which win")
     return p
 
 
 def parse(cls, argv=None, description: str = "", *, defaults: Optional[dict] = None):
     """Parse ``argv`` into a validated ``cls``; a value out of range is a usage error that names the flag."""
     p = parser_for(cls, description, defaults=defaults)
-    ns = p.parse_args(argv)
-    return build(cls, p, vars(ns))
+    return build(cls, p, parse_values(cls, p, argv))
+
+
+CONFIG_FLAG = "--config"
+
+
+def parse_values(cls, parser: argparse.ArgumentParser, argv=None) -> dict:
+    """The field values of ``cls`` from three layers: the fields' defaults, then a TOML file given as ``--config
+    FILE`` (keys: the field names, as a grid's TOML spells them, e.g. ``budget = 128``, ``policies = ["random"]``),
+    then the flags on the command line, which win."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument(CONFIG_FLAG, dest="config_file", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config_file is not None:
+        parser.set_defaults(**file_values(cls, parser, known.config_file))
+    values = vars(parser.parse_args(argv))
+    values.pop("config_file", None)
+    return values
+
+
+def file_values(cls, parser: argparse.ArgumentParser, path: str) -> dict:
+    """The settings a ``--config`` TOML file gives ``cls`` (lists as tuples); a file that cannot be read, or a key
+    that is no setting of this probe's command line, is a usage error naming ``--config`` and the fix."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        parser.error(f"{CONFIG_FLAG}: {path} does not exist; give a TOML file of this probe's settings")
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        parser.error(f"{CONFIG_FLAG}: cannot read {path} as TOML ({exc}); write one 'name = value' line per setting")
+    names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+    values = {str(k).replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(k for k in values if k not in names)
+    if unknown:
+        parser.error(f"{CONFIG_FLAG}: {path} sets {', '.join(unknown)}, which this command does not take; its "
+                     f"settings are {', '.join(sorted(names))}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
 
 
 def build(cls, parser: argparse.ArgumentParser, values: dict):
     """``cls(**values)``, with a :class:`ConfigError` turned into ``parser.error``."""
+    values = {k: v for k, v in values.items() if k != "config_file"}
     hints = typing.get_type_hints(cls)
     for name, value in list(values.items()):
         if isinstance(value, list) and _is_sequence(hints.get(name)):

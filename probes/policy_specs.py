@@ -1,18 +1,33 @@
 """Policy names as probes take them: checked once, asked what they need, bound to the model before a run.
 
 A probe never keeps lists of which policy needs what: it asks the policy (``uses_seed``, ``calibration``,
-``native_protection``, :meth:`randattn.Policy.bind`).
+``native_protection``, :meth:`randattn.Policy.bind`). A name is resolved once per process (:func:`resolved`); what
+is built per run (options, a bound model) is an :class:`randattn.EvictionSpec`.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import randattn
 
 from .config import ConfigError
 
-__all__ = ["check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection"]
+__all__ = ["resolved", "check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection"]
+
+
+def resolved(name: str) -> randattn.Policy:
+    """The policy ``name`` names, built once without options, to be asked what it declares (``calibration``,
+    ``uses_seed``, ``native_protection``); never bound or run (a run's caches build their own). A ``MODULE:CALLABLE``
+    is looked up from the working directory, so it is resolved once per directory."""
+    return _resolved(name, os.getcwd() if ":" in name else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved(name: str, where: str) -> randattn.Policy:
+    return randattn.make_policy(name)
 
 
 def check_policy(field: str, spec: str, *, extra=()) -> None:
@@ -25,7 +40,7 @@ def check_policy(field: str, spec: str, *, extra=()) -> None:
         raise ConfigError(field, f"{spec!r} is unknown; choose from {', '.join([*extra, *known])}, or give your own "
                                  "selector as MODULE:CALLABLE (e.g. my_selector:score)")
     try:
-        randattn.load_policy(spec)
+        resolved(spec)
     except (ValueError, TypeError) as exc:
         raise ConfigError(field, str(exc)) from None
 
@@ -35,7 +50,7 @@ def check_stats_used(stats, specs, field: str = "stats") -> None:
     if stats is None:
         return
     specs = [s for s in specs if s not in ("full", None)]
-    if not any(randattn.make_policy(s).calibration for s in specs):
+    if not any(resolved(s).calibration for s in specs):
         raise ConfigError(field, f"no policy of this run reads calibration statistics ({', '.join(specs) or 'none'}); "
                                  "drop --stats, or run a policy that uses them (e.g. triattention)")
 
@@ -44,7 +59,7 @@ def calibration_options(spec: str, stats) -> dict:
     """``{option: stats}`` for a policy that takes per-model calibration data (``Policy.calibration``) when a
     probe's ``--stats`` is given; else ``{}`` (the policy's :meth:`~randattn.Policy.bind` then finds its own, e.g.
     the embedded model's shipped statistics, or refuses the model)."""
-    option = randattn.make_policy(spec).calibration
+    option = resolved(spec).calibration
     return {option: stats} if stats is not None and option else {}
 
 
@@ -61,11 +76,11 @@ def bind_policies(field: str, specs, model, options_for=lambda spec: {}) -> None
 
 def seed_free(spec: str, options: Optional[dict] = None) -> bool:
     """Whether the policy's keep-sets ignore the seed (it then runs once per configuration)."""
-    return not randattn.make_policy(spec, **(options or {})).uses_seed
+    return not (randattn.make_policy(spec, **options) if options else resolved(spec)).uses_seed
 
 
 def native_protection(spec: str) -> Optional[bool]:
     """The prompt protection a policy or paper mode is defined with (``None``: either)."""
     if spec in randattn.PAPER_MODES:
         return randattn.PAPER_MODES[spec][2]
-    return randattn.make_policy(spec).native_protection
+    return resolved(spec).native_protection

@@ -124,3 +124,26 @@ def test_a_probe_comparing_policies_builds_the_spec_of_the_one_it_runs():
     assert config.policy_names() == ("snapkv", "random")
     assert config.replace(policy="random").spec().policy == "random"  # not the first of the list
     assert config.replace(policy="snapkv").spec().policy == "snapkv"
+
+
+def test_one_layered_parser_defaults_then_file_then_flags(tmp_path, capsys):
+    from probes.config import parse
+
+    passcode = importlib.import_module("probes.passcode").Config
+    toml = tmp_path / "run.toml"
+    toml.write_text('budget = 128\nbuffer = 8\npolicies = ["random", "snapkv"]\nprotect-prompt = false\nrounds = 6\n')
+    config = parse(passcode, ["--config", str(toml), "--budget", "192"])
+    assert (config.budget, config.buffer, config.policies, config.protect_prompt, config.rounds) == \
+        (192, 8, ("random", "snapkv"), False, 6)  # the flag wins over the file, the file over the defaults
+    assert parse(passcode, []).budget == 256 and parse(passcode, ["--config", str(toml)]).budget == 128
+    with pytest.raises(SystemExit):
+        parse(passcode, ["--config", str(toml), "--buffer", "128"])
+    assert "--budget: T=128 must exceed the recent window r=128" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("budget = 128\nwindow = 3\n")
+    with pytest.raises(SystemExit):
+        parse(passcode, ["--config", str(bad)])
+    assert "--config: " in (err := capsys.readouterr().err) and "sets window, which this command does not take" in err
+    with pytest.raises(SystemExit):
+        parse(passcode, ["--config", str(tmp_path / "none.toml")])
+    assert "does not exist" in capsys.readouterr().err
