@@ -248,16 +248,17 @@ def main(argv=None) -> int:
                 hf = tokens[f"hf random b{r['batch']}"]
                 r["same_tokens_as_vllm_random"] = sum(a == b for a, b in zip(hf, tokens["vllm random"]))
     for r in rows:
-        print(f"{r['arm']:>12} batch {r['batch']:>3}: {r['wall_s']:7.1f} s  {r['total_tokens_per_s']:7.1f} total tok/s  "
-              f"{r['output_tokens_per_s']:7.1f} out tok/s  finished {r['requests_finished']}  "
+        print(f"{r['arm']:>12} batch {r['batch']:>3}: {r['wall_s']:7.1f} s  {r['total_tokens_per_s']:7.1f} "
+              f"total tok/s  {r['output_tokens_per_s']:7.1f} out tok/s  finished {r['requests_finished']}  "
               f"peak blocks {r.get('peak_blocks_used', '-')}  max running {r['max_running']}  "
               f"preemptions {r.get('preemptions', '-')}", flush=True)
     import torch
     import vllm
     from vllm.platforms import current_platform
 
-    meta = {"model": args.model, "device": current_platform.device_type, "dtype": f"torch.{args.dtype}", "torch_threads": args.threads,
-            "machine": platform.processor() or platform.machine(), "vllm": vllm.__version__, "torch": torch.__version__,
+    meta = {"model": args.model, "device": current_platform.device_type, "dtype": f"torch.{args.dtype}",
+            "torch_threads": args.threads, "machine": platform.processor() or platform.machine(),
+            "vllm": vllm.__version__, "torch": torch.__version__,
             **provenance(), "requests": args.requests, "new_tokens": args.new_tokens, "budget": args.budget,
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks, "full_blocks_per_request":
             full_blocks, "capped_blocks_per_request": cap_blocks, "max_model_len": case["max_model_len"],

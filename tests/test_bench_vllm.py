@@ -1,0 +1,77 @@
+"""``bench.vllm``: its result file and the docs' table rendered from it. The end-to-end run needs the vLLM
+environment (``vllm`` marker, skipped without it); the table test runs anywhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from figures import vllm_table
+from tests.test_vllm_memory import ROOT, VENV_PYTHON, vllm_env
+
+ARM_KEYS = {"arm", "batch", "wall_s", "requests_finished", "generated_tokens", "prompt_tokens", "kv_bytes",
+            "max_running", "total_tokens_per_s", "output_tokens_per_s", "x_vllm_full"}
+VLLM_KEYS = {"peak_blocks_used", "max_request_blocks", "running_steps", "steps", "preemptions", "tokens_computed",
+             "num_blocks", "block_bytes"}
+
+
+def _rendered(tmp_path, monkeypatch, data: dict) -> str:
+    (tmp_path / "data" / "results" / "bench").mkdir(parents=True)
+    (tmp_path / "data" / "results" / "bench" / "vllm.json").write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)  # figures.table_io reads data/results/ under the current folder first
+    return "\n".join(vllm_table.table())
+
+
+def _row(arm, batch, wall, **extra):
+    row = {"arm": arm, "batch": batch, "wall_s": wall, "requests_finished": batch, "generated_tokens": 100 * batch,
+           "prompt_tokens": 10 * batch, "kv_bytes": 2**20, "max_running": batch,
+           "total_tokens_per_s": 110 * batch / wall, "output_tokens_per_s": 100 * batch / wall, **extra}
+    return row
+
+
+def test_the_table_shows_every_arm_and_the_command(tmp_path, monkeypatch):
+    counters = dict(peak_blocks_used=8, running_steps=30, steps=10, preemptions=2, tokens_computed=1234)
+    rows = [_row("vllm full", 4, 10.0, **counters), _row("vllm random", 4, 4.0, **counters),
+            _row("hf random", 1, 5.0)]
+    for r in rows:
+        r["x_vllm_full"] = r["total_tokens_per_s"] / rows[0]["total_tokens_per_s"]
+    meta = {"requests": 4, "new_tokens": 100, "budget": 64, "buffer": 16, "block_size": 32, "blocks": 8,
+            "hf_batches": [1], "torch_threads": 2, "prompt_lengths": [5, 13], "full_blocks_per_request": 4,
+            "capped_blocks_per_request": 2, "vllm": "0.32.0", "torch": "2.13.0+cpu", "git": "abc1234",
+            "engine": "paper", "date": "2026-12-02"}
+    text = _rendered(tmp_path, monkeypatch, {"meta": meta, "rows": rows})
+    lines = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[0] for line in lines] == [
+        "| vLLM, full attention", "| vLLM + randattn Random", "| HF engine (EvictingCache Random), batch 1"]
+    assert "**2.50×**" in lines[1] and "| 3.0 |" in lines[1]  # 2.5x full's tokens/s; 30 running over 10 steps
+    assert ("--requests 4 --new-tokens 100 --budget 64 --buffer 16 --block-size 32 --blocks 8 --hf-batches 1 "
+            "--threads 2") in text and "revision abc1234" in text
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VENV_PYTHON.exists(), reason=f"no vLLM environment at {VENV_PYTHON}")
+def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):
+    import randattn.models as models
+
+    model = str(models._converted_embedded(models.DEFAULT_MODEL))
+    out = tmp_path / "vllm.json"
+    proc = subprocess.run([str(VENV_PYTHON), "-m", "bench.vllm", "--requests", "2", "--new-tokens", "64", "--budget",
+                           "104", "--buffer", "8", "--hf-batches", "2", "--threads", "1", "--model", model, "--out",
+                           str(out)], cwd=ROOT, env=vllm_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    data = json.loads(out.read_text())
+    assert [r["arm"] for r in data["rows"]] == ["vllm full", "vllm random", "hf random"]
+    for r in data["rows"]:
+        assert ARM_KEYS <= set(r) and r["requests_finished"] == r["batch"] == 2, r
+        assert r["generated_tokens"] == 2 * 64 and r["wall_s"] > 0
+    for r in data["rows"][:2]:
+        assert VLLM_KEYS <= set(r), r
+    assert data["rows"][1]["evicting"] and not data["rows"][0]["evicting"]
+    # the prompts reach T + r = 112 and beyond, so the plugin capped blocks at ceil(112 / 32) = 4 per request
+    assert data["rows"][1]["max_request_blocks"] == 4 < data["rows"][0]["max_request_blocks"]
+    assert data["meta"]["vllm"] == "0.32.0" and data["rows"][0]["x_vllm_full"] == 1.0
+    text = _rendered(tmp_path / "docs", monkeypatch, data)
+    assert "HF engine (EvictingCache Random), batch 2" in text
