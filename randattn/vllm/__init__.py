@@ -1,8 +1,29 @@
 """randattn inside vLLM: the paper's eviction engine on vLLM's paged KV cache (issue 26).
 
-Loaded by vLLM through the ``vllm.general_plugins`` entry point (:func:`register`) in every process; it does
-nothing unless the user's ``additional_config`` has a ``"randattn"`` section (:mod:`randattn.vllm.config`).
-Importable without vLLM: vLLM is imported inside the functions that need it.
+Loaded by vLLM through the ``vllm.general_plugins`` entry point (:func:`register`) in every process (front end,
+engine core, worker); it does nothing unless the user's ``additional_config`` has a ``"randattn"`` section
+(:mod:`randattn.vllm.config`). Importable without vLLM: vLLM is imported inside the functions that need it.
+
+Pieces: :mod:`~randattn.vllm.config` (the user config and the round arithmetic), :mod:`~randattn.vllm.state`
+(per-request state, the step plan, the rounds), :mod:`~randattn.vllm.backend` (the CPU attention backend that runs
+them), :mod:`~randattn.vllm.runner` (the hooks), :mod:`~randattn.vllm.kv_cache` and :mod:`~randattn.vllm.scheduler`
+(block caps and round-boundary chunking), :mod:`~randattn.vllm.checks` (refused engine settings).
+
+What the vLLM engine is, against the HF :class:`randattn.EvictingCache` (which follows the paper's engine,
+docs/engine.md): the same rounds at the same lengths, the same candidates, protection, selection, compaction and
+keep-log, computed by the same code (each request owns a one-row ``EvictingCache`` used for its policy and its
+selection). Deliberate differences:
+
+- draws are always per request: seeded by (seed, request key, layer, round), as an HF cache built with
+  ``row_keys=[key]``; the key is ``SamplingParams(extra_args={"randattn_key": ...})``, else vLLM's request id;
+- a query-window selector (``snapkv``, ``rkv``, ...) reads the post-RoPE queries vLLM's own attention layer
+  computed, buffered per request and layer, where the HF engine recomputes them with the layer's projection: equal
+  up to kernel rounding;
+- policies that need what vLLM cannot give are refused by name: accumulated attention (``h2o``), a keep-set scored
+  across layers (``triattention``), per-model calibration statistics;
+- no keep-mask API (pins, forced evictions) and no padded batches: every request is its own row;
+- vLLM's CPU attention only (``CPU_ATTN``), one device, eager mode; the CUDA backends have another KV layout and no
+  eviction rounds yet, so a non-CPU platform is refused.
 """
 
 from __future__ import annotations
@@ -11,7 +32,7 @@ __all__ = ["register"]
 
 
 def register() -> None:
-    """Install the plugin's pieces into vLLM (called by vLLM's plugin loader in each process)."""
+    """Install the plugin's pieces into vLLM (called by vLLM's plugin loader in each process; idempotent)."""
     from .runner import install as _install
 
     _install()
