@@ -21,7 +21,8 @@ key it only counts), so peak blocks in use, the most requests running at once, p
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the counters can be read. Reported per arm: wall time of the generate call,
 total tokens/s ((prompt + generated) / wall, vLLM's "total tokens/s"), output tokens/s, requests finished, and the
 KV memory (pool blocks x block bytes for vLLM; the cache's own bytes for HF). A short untimed warm-up runs first in
-every process. Timings need a quiet machine.
+every process. Timings need a quiet machine; each arm also records the CPU seconds of its process (all threads), and
+total tokens per CPU second, which other load on the machine disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ def run_vllm(case: dict, evict: bool) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=case["new_tokens"], ignore_eos=True,
                              extra_args={"randattn_key": request_key(i)}) for i in range(len(case["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in case["prompts"]]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     spec = llm.llm_engine.vllm_config.cache_config
     page = _page_bytes(llm)
     new = [len(o.outputs[0].token_ids) for o in outs]
-    return {"arm": "vllm random" if evict else "vllm full", "batch": len(prompts), "wall_s": wall, "load_s": load_s,
+    return {"arm": "vllm random" if evict else "vllm full", "batch": len(prompts), "wall_s": wall, "cpu_s": cpu,
+            "load_s": load_s,
             "requests_finished": sum(n == case["new_tokens"] for n in new), "generated_tokens": sum(new),
             "prompt_tokens": sum(len(p) for p in case["prompts"]), "kv_bytes": page * case["blocks"],
             "block_bytes": page, "block_size": spec.block_size, **{k: v for k, v in sched.counters.items()
@@ -132,11 +134,11 @@ def run_hf(case: dict) -> list[dict]:
     for batch in case["hf_batches"]:
         prompts, width, ids, mask = batch_of(batch)
         cache = spec.make_cache(row_keys=[request_key(i) for i in range(batch)])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = randattn.generate(model, ids, cache, attention_mask=mask, max_new_tokens=case["new_tokens"],
                                 min_new_tokens=case["new_tokens"], do_sample=False)
-        wall = time.perf_counter() - t0
-        rows.append({"arm": "hf random", "batch": batch, "wall_s": wall, "requests_finished": batch,
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        rows.append({"arm": "hf random", "batch": batch, "wall_s": wall, "cpu_s": cpu, "requests_finished": batch,
                      "generated_tokens": (out.shape[1] - width) * batch, "prompt_tokens": sum(map(len, prompts)),
                      "kv_bytes": cache.kv_bytes(), "max_running": batch, "tokens": out[:, width:].tolist()})
     return rows
@@ -235,6 +237,8 @@ def main(argv=None) -> int:
     for r in rows:
         r["total_tokens_per_s"] = (r["prompt_tokens"] + r["generated_tokens"]) / r["wall_s"]
         r["output_tokens_per_s"] = r["generated_tokens"] / r["wall_s"]
+        # CPU seconds of the arm's process (all its threads): less sensitive than wall time to other load
+        r["total_tokens_per_cpu_s"] = (r["prompt_tokens"] + r["generated_tokens"]) / r["cpu_s"]
     for r in rows:
         r["x_vllm_full"] = r["total_tokens_per_s"] / full["total_tokens_per_s"] if full else None
     rnd = by_arm.get("vllm random")

@@ -27,12 +27,12 @@ def table() -> list[str]:
     for r in rows:
         vllm = r["arm"].startswith("vllm")
         body.append([_arm(r), f"{r['kv_bytes'] / 2**20:,.1f}", f"{r['wall_s']:.0f} s", f"{r['total_tokens_per_s']:.1f}",
-                     f"{r['output_tokens_per_s']:.1f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
+                     f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_cpu_s']:.1f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
                      f"{r['requests_finished']} / {r['batch']}",
                      str(r["peak_blocks_used"]) if vllm else "–",
                      f"{r['running_steps'] / r['steps']:.1f}" if vllm else str(r["batch"]), str(r["max_running"]),
                      str(r["preemptions"]) if vllm else "–", f"{r['tokens_computed']:,}" if vllm else "–"])
-    header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "× vLLM full", "finished", "peak blocks",
+    header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "total tok per CPU s", "× vLLM full", "finished", "peak blocks",
               "running (mean)", "running (max)", "preemptions", "tokens computed"]
     lo, hi = m["prompt_lengths"]
     note = (f"{m['requests']} requests × {m['new_tokens']:,} new tokens (prompts {lo}–{hi} tokens), "

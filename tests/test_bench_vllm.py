@@ -13,7 +13,8 @@ from figures import vllm_table
 from tests.test_vllm_memory import ROOT, VENV_PYTHON, vllm_env
 
 ARM_KEYS = {"arm", "batch", "wall_s", "requests_finished", "generated_tokens", "prompt_tokens", "kv_bytes",
-            "max_running", "total_tokens_per_s", "output_tokens_per_s", "x_vllm_full"}
+            "max_running", "total_tokens_per_s", "output_tokens_per_s", "x_vllm_full", "cpu_s",
+            "total_tokens_per_cpu_s"}
 VLLM_KEYS = {"peak_blocks_used", "max_request_blocks", "running_steps", "steps", "preemptions", "tokens_computed",
              "num_blocks", "block_bytes"}
 
@@ -28,7 +29,8 @@ def _rendered(tmp_path, monkeypatch, data: dict) -> str:
 def _row(arm, batch, wall, **extra):
     row = {"arm": arm, "batch": batch, "wall_s": wall, "requests_finished": batch, "generated_tokens": 100 * batch,
            "prompt_tokens": 10 * batch, "kv_bytes": 2**20, "max_running": batch,
-           "total_tokens_per_s": 110 * batch / wall, "output_tokens_per_s": 100 * batch / wall, **extra}
+           "total_tokens_per_s": 110 * batch / wall, "output_tokens_per_s": 100 * batch / wall,
+           "total_tokens_per_cpu_s": 55 * batch / wall, **extra}
     return row
 
 
