@@ -111,6 +111,8 @@ def test_the_core_alone_installs_without_the_lab_and_generates(core_installed, t
     script = str(Path(core_installed).with_name("randattn"))
     done = _run(script, tmp_path, "--version")
     assert done.returncode == 0 and done.stdout.startswith("randattn "), done.stderr
+    done = _run(script, tmp_path, "list")  # reads the lab's sources, imports none of them
+    assert done.returncode == 0 and "head_pooling" in done.stdout, done.stderr
     done = _run(script, tmp_path, "figures", "--probe", "survival", "--out", "figs")
     assert done.returncode == 2 and "randattn[lab]" in done.stderr and "matplotlib" in done.stderr, done.stderr
     assert not (tmp_path / "figs").exists()
