@@ -15,7 +15,7 @@ import torch
 import randattn
 from randattn.rules import prompt_fits_problem
 from probes.common import base_parser, positive_int  # noqa: F401  (re-exported for the scripts)
-from probes.config import ConfigError
+from probes.config import SETTINGS, ConfigError
 from probes.policy_specs import bind_policies, calibration_options, check_policy
 
 # The checkout bench/ sits in (for `git rev-parse` and the default trace / result paths); with a
@@ -29,15 +29,15 @@ def bench_parser(doc: str, *, new_tokens: int = 4096, budget: int = 1024, buffer
     """The probes' common flags plus the ones every benchmark takes; defaults are the paper's geometry."""
     p = base_parser(doc)
     p.add_argument("--new-tokens", type=positive_int, default=new_tokens, help="tokens generated per sequence")
-    p.add_argument("--budget", type=positive_int, default=budget, help="T: pairs each KV head holds right after a round, the newest r among them")
-    p.add_argument("--buffer", type=positive_int, default=buffer, help="r: new pairs between rounds")
+    # the probes' one definition of each eviction setting (probes.config.SETTINGS): the same words everywhere
+    p.add_argument("--budget", type=positive_int, default=budget, help=SETTINGS["budget"].help)
+    p.add_argument("--buffer", type=positive_int, default=buffer, help=SETTINGS["buffer"].help)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     return p
 
 
 def add_stats_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stats", default=None,
-                   help="TriAttention statistics file (default: the embedded model's, which ship with the package)")
+    p.add_argument("--stats", default=None, metavar="FILE", help=SETTINGS["stats"].help)
 
 
 def check_policies(p: argparse.ArgumentParser, flag: str, names) -> None:
