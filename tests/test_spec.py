@@ -237,3 +237,57 @@ def test_attach_restores_someone_elses_generate_wrapper_and_cleans_up_on_error()
             model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
             raise RuntimeError("inside")
     assert calls == [1] and model.generate is wrapper and _state(model) == before
+
+
+# -- refusals name their field; model identity ---------------------------------------------------------------------
+@pytest.mark.parametrize("kw, field", [
+    (dict(budget=0), "budget"), (dict(budget=128, buffer=0), "buffer"), (dict(budget=64), "budget"),
+    (dict(budget=128, recent=128), "recent"), (dict(budget=128, seed=-1), "seed"),
+    (dict(policy="attn", budget=128, protect_prompt=True), "protect_prompt"),
+    (dict(policy="nope", budget=128), "policy"), (dict(budget=128, options={"n_sink": 4}), "options"),
+    (dict(policy="triattention", budget=128, recent=0), "recent"),
+    (dict(policy="full", budget=128), "budget"), (dict(budget=128, options=[("n_sink", 4)]), "options"),
+])
+def test_every_refusal_is_a_spec_error_naming_its_field(kw, field):
+    with pytest.raises(randattn.SpecError) as info:
+        EvictionSpec(**kw)
+    assert info.value.field == field
+    assert isinstance(info.value, ValueError)  # what callers catch today still catches it
+
+
+def test_bad_statistics_name_stats_not_options(tmp_path):
+    garbage = tmp_path / "notes.txt"
+    garbage.write_text("not statistics\n")
+    with pytest.raises(randattn.SpecError) as info:
+        EvictionSpec("triattention", 256, stats=str(garbage))
+    assert info.value.field == "stats"
+
+
+def test_a_prompt_that_does_not_fit_is_a_problem_naming_budget_and_the_smallest_fix():
+    spec = EvictionSpec("random", 64, 8)
+    problem = spec.validate(60)
+    assert isinstance(problem, str) and problem.field == "budget" and problem.need == min_budget(60, 8) == 69
+    with pytest.raises(randattn.SpecError) as info:
+        spec.make_cache(prompt_len=60)
+    assert info.value.field == "budget" and str(info.value) == problem
+
+
+def test_model_ref_names_the_model_once():
+    from randattn.models import embedded_name
+
+    assert embedded_name(None) == embedded_name("SmolLM2-135M-Instruct") == embedded_name("smollm2") == "smollm2-135m"
+    assert embedded_name("Qwen/Qwen3-4B") is None
+    ref = randattn.ModelRef.of()
+    assert (ref.name, ref.embedded, ref.path) == ("smollm2-135m", "smollm2-135m", None) and ref.revision
+    hub = randattn.ModelRef.of("Qwen/Qwen3-4B")
+    assert (hub.embedded, hub.path) == (None, None)
+
+
+def test_load_model_gives_the_model_its_ref(tmp_path, tiny):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path)
+    # the tiny model has no tokenizer: pass the embedded one's
+    loaded, _ = randattn.load_model(str(tmp_path), tokenizer=randattn.load_model()[1], device="cpu")
+    ref = randattn.ModelRef.of_model(loaded)
+    assert (ref.name, ref.path, ref.embedded) == (str(tmp_path), str(tmp_path), None)
+    assert randattn.ModelRef.of_model(model).embedded is None  # a model loaded another way: its config's name
