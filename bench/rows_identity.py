@@ -51,6 +51,7 @@ EXCLUDED = frozenset({
     # wall-clock time and throughput (bench.pack: problems per hour and its ratio to one-at-a-time)
     "seconds", "wall", "wall_s", "elapsed", "time", "timestamp", "tok_per_s", "tokens_per_s", "ms",
     "problems_per_hour", "x_one_at_a_time", "x_random",  # (bench.round_cost: ms as a multiple of Random's)
+    "speedup",  # bench.replay_speed: token-by-token seconds / replay seconds
 })
 #: Field-name endings never compared: durations and rates (``*_s``, ``*_ms``, ``*_seconds``, ``*_per_s``).
 EXCLUDED_SUFFIXES = ("_s", "_ms", "_seconds", "_per_s", "_per_sec", "_sec", "_per_hour")
@@ -485,7 +486,7 @@ def compare(before: Path, after: Path, atol: float = 0.0, atol_fields: Optional[
         else:
             identical += 1
             print(f"ok   {rel}: identical ({len(load_rows(fa[rel]))} rows)", file=out)
-    others = _other_files(before) | _other_files(after)
+    others = {p for p in _other_files(before) | _other_files(after) if not only or p.split("/")[0] in only}
     if others:
         print(f"\nnot compared (not a rows file): {len(others)} files, "
               f"{', '.join(sorted({Path(p).suffix or p for p in others}))}", file=out)
