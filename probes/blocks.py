@@ -17,6 +17,7 @@ The paper (Qwen3-4B, K=1024): blocks of 1..64 cost almost nothing; 256 (4 blocks
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ from analysis.planted import nll_deltas, summarize
 from . import cli
 from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
+from .planted_run import (PlantedConfig, Session, condition_units, describe, run_conditions, run_unit,
+                          KEY, session_rows, setup, write_csv)
 from .results import ResultsFile
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
 
 
 def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
@@ -47,33 +50,58 @@ def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
     return [builder.stub + builder.stream[s : s + need].tolist() for s in (int(rng.choice(starts)) for _ in range(n))]
 
 
-def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-token loss") -> list[dict]:
-    """Mean next-token NLL per sequence under each arm (``{label: make_cache(batch_index)}``); resumable.
+NLL_KEY = ("sequence", "arm")
 
-    Scored from position T + r on, the first token whose context a round has touched."""
+
+def nll_units(s, arms: dict, n: int, length: int, out: Path) -> tuple[Output, list[Unit]]:
+    """The next-token-loss part as units: one per (arm, batch of sequences), ``arms`` being ``{label:
+    spec_of(batch_index)}`` (an :class:`~randattn.EvictionSpec` per batch; full attention: ``EvictionSpec.full()``)."""
     a = s.config
     config = {**{k: v for k, v in s.results.config.items() if k not in ("policy", "policy_options", "distance",
                                                                           "box_width", "n_facts")},
               "part": "nll", "length": length}
-    rf = ResultsFile(out, config, ("sequence", "arm"), restart=a.restart)
+    output = Output(str(out), config, NLL_KEY)
     seqs = nll_sequences(s.builder, n, length, a.seed)
-    score_from = a.budget + a.buffer
-    todo = [(arm, bi) for arm in arms for bi in range(0, n, a.batch)
-            if any((i, arm) not in rf.done for i in range(bi, min(n, bi + a.batch)))]
-    for arm, bi in tqdm(todo, desc=desc, unit="batch"):
-        idx = list(range(bi, min(n, bi + a.batch)))
-        ids = torch.tensor([seqs[i] for i in idx], device=s.model.device)
-        cache = arms[arm](bi)
-        res = randattn.replay(s.model, ids, cache, prompt_len=len(s.builder.stub), score_from=score_from, max_chunk=64)
-        nll = -res.logprobs[:, score_from:].double().mean(-1).numpy()
-        rf.append([{"sequence": i, "arm": arm, "nll": float(nll[j]), "tokens": length - score_from,
-                    "rounds": cache.events[0]} for j, i in enumerate(idx)])
+    todo = []
+    for arm, spec_of in arms.items():
+        for bi in range(0, n, a.batch):
+            idx = list(range(bi, min(n, bi + a.batch)))
+            work = {"ids": [seqs[i] for i in idx], "idx": idx, "arm": arm, "spec": spec_of(bi), "length": length,
+                    "prompt_len": len(s.builder.stub), "score_from": a.budget + a.buffer}
+            todo.append(make_unit("nll", config["model"], output, {"arm": arm}, [{"sequence": i} for i in idx], work,
+                                  salt=[a.seed, bi], label=f"next-token loss {arm} from {bi}"))
+    return output, todo
+
+
+def run_nll_unit(model, tok, unit: Unit):
+    """Mean next-token NLL per sequence of one batch under one arm, scored from position T + r on (the first token
+    whose context a round has touched); yields its rows."""
+    w = unit.work
+    ids = torch.tensor(w["ids"], device=model.device)
+    spec, score_from = w["spec"], w["score_from"]
+    cache = spec.make_cache(max_tokens=w["length"]) if spec.is_full else spec.make_cache()
+    res = randattn.replay(model, ids, cache, prompt_len=w["prompt_len"], score_from=score_from, max_chunk=64)
+    nll = -res.logprobs[:, score_from:].double().mean(-1).numpy()
+    yield [{"sequence": i, "arm": w["arm"], "nll": float(nll[j]), "tokens": w["length"] - score_from,
+            "rounds": cache.events[0]} for j, i in enumerate(w["idx"])]
+
+
+#: The runner of the next-token-loss units (blocks, shared draw).
+NLL = Kind("nll", PlantedConfig, None, run_nll_unit, None)
+
+
+def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-token loss") -> list[dict]:
+    """Mean next-token NLL per sequence under each arm (``{label: spec_of(batch_index)}``), here and resumably (the
+    local backend over :func:`nll_units`); the rows of the file."""
+    output, todo = nll_units(s, arms, n, length, out)
+    rf = ResultsFile(out, output.config, NLL_KEY, restart=s.config.restart)
+    run_local(Plan("nll", s.config, [], todo), s.model, s.tok, desc=desc, files={output.path: rf})
     return rf.rows
 
 
 def full_attention(length: int):
-    """A cache no round ever reaches: full attention through the same code path."""
-    return lambda bi: randattn.EvictionSpec.full().make_cache(max_tokens=length)
+    """Full attention through the same code path (a cache no round ever reaches, sized by the sequence)."""
+    return lambda bi: randattn.EvictionSpec.full()
 
 
 @dataclass
@@ -97,6 +125,51 @@ class Config(PlantedConfig):
                                         "run")
 
 
+def conditions(s: Session) -> list[Condition]:
+    w = s.config.box_width
+    return [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w), Condition.policy("policy")]
+
+
+def nll_arms(config: Config) -> dict:
+    """Full attention and Random in blocks of each size, each batch drawing by its index."""
+    arms = {"full": full_attention(config.length)}
+    for b in config.blocks:
+        arms[f"block{b}"] = (lambda b: lambda bi: config.spec("random-block", options={"block": b},
+                                                              seed=config.seed * 1_000_003 + bi))(b)
+    return arms
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Each block size's planted-fact batches, then the next-token-loss batches, as the command line runs them."""
+    loaded = (model.bind_target, model.tokenizer)
+    outputs, todo, sessions = [], [], {}
+    for b in config.blocks:
+        s = sessions[b] = setup("blocks", config, policy_options={"block": b}, loaded=loaded, open_results=False)
+        if not config.skip_planted:
+            outputs.append(s.results)
+            todo += condition_units(s, conditions(s))
+    nll = None
+    if not config.skip_nll:
+        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, nll_path(s))
+        outputs.append(nll)
+        todo += units
+    return Plan("blocks", config, outputs, todo, meta={"sessions": sessions, "nll": nll and nll.path})
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list:
+    """:func:`report` on the merged files."""
+    config = p.config.replace(no_figure=not figures)
+    sessions = p.meta["sessions"]
+    planted = {} if config.skip_planted else {
+        b: session_rows(s, conditions(s), rows.get(str(s.results.path), [])) for b, s in sessions.items()}
+    last = list(sessions.values())[-1]
+    s = dataclasses.replace(last, config=config, results=ResultsFile(last.results.path, last.results.config, KEY))
+    report(s, planted, rows.get(p.meta["nll"], []) if p.meta["nll"] else [])
+    model = Path(str(last.results.config["model"])).name
+    return [Path(o.path) for o in p.outputs] + [Path(last.results.path).parent / result_name("blocks", config,
+                                                                                             "summary", model=model)]
+
+
 def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict]]:
     """Planted rows per block size (``{block: rows}``) and the next-token-loss rows; resumable."""
     loaded = None if model is None else (model, tokenizer)
@@ -108,24 +181,16 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
         if b == config.blocks[0]:
             print(describe(s))
         if not config.skip_planted:
-            w = config.box_width
-            conds = [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w),
-                     Condition.policy("policy")]
-            planted[b] = run_conditions(s, conds, desc=f"blocks: planted fact, block {b}")
+            planted[b] = run_conditions(s, conditions(s), desc=f"blocks: planted fact, block {b}")
     nll = []
     if not config.skip_nll:
-        a = config
-        arms = {"full": full_attention(config.length)}
-        for b in config.blocks:
-            arms[f"block{b}"] = (lambda b: lambda bi: a.spec("random-block", options={"block": b},
-                                                             seed=a.seed * 1_000_003 + bi).make_cache())(b)
-        nll = run_nll(s, arms, config.sequences, config.length, nll_path(s), desc="blocks: next-token loss")
+        nll = run_nll(s, nll_arms(config), config.sequences, config.length, nll_path(s), desc="blocks: next-token loss")
     return s, planted, nll
 
 
 def nll_path(s: Session) -> Path:
     a = s.config
-    return s.results.path.parent / result_name("blocks", a, "nll", model=s.results.config["model"])
+    return Path(s.results.path).parent / result_name("blocks", a, "nll", model=s.results.config["model"])
 
 
 def report(s: Session, planted: dict, nll: list[dict]) -> None:
@@ -166,6 +231,8 @@ def report(s: Session, planted: dict, nll: list[dict]) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("blocks", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,19 +1,19 @@
-"""Run a probe or accuracy grid in this process or across a Ray cluster, resumably, into one merged result.
+"""Run any probe's units in this process or across a Ray cluster, resumably, into the files its command line writes.
 
     python -m probes.grid examples/grid_copy.toml                          # here, in this process
     python -m probes.grid examples/grid_copy.toml --backend ray            # a local Ray instance on this machine
     python -m probes.grid examples/grid_math500.toml --backend ray --address auto --gpus-per-worker 1
     python -m probes.grid examples/grid_copy.toml --merge-only             # merge what is done, compute nothing
 
-The spec (TOML, see probes/grid_spec.py) is checked before any work: an unknown key, policy, task or model, or a
-budget that cannot hold the protected prompt, stops the command with the key and the fix. It expands into
-items (accuracy: one generation of one problem in one run; passcode: one instance) grouped into units, the
-batches a single-machine run would make; each worker loads a model once and runs units one at a time. Every
-finished item is written once to ``DIR/items/`` under its stable id (a hash of everything that decides its
-rows), so a rerun computes only what is missing and a killed worker loses only the unit it was running. At the
-end (or with ``--merge-only``) the items are merged into the files ``python -m probes.accuracy`` /
-``python -m probes.passcode`` write (rows, summaries, tables, figures) under ``DIR/accuracy/`` or
-``DIR/passcode/``; ``python -m figures --probe accuracy --results FILE`` draws them again.
+The spec (TOML, see probes/grid_spec.py) names a probe kind and its configuration fields; it is checked before any
+work by the probe's own Config and plan: an unknown key, policy, task or model, or a budget that cannot hold the
+protected prompt, stops the command with the key and the fix. Each configuration is planned into units
+(probes/units.py: the batches its single-machine run makes, each of items with stable ids, a hash of everything
+that decides their rows); each worker loads a model once and runs units one at a time. Every finished item is
+written once to ``DIR/items/`` under its id, so a rerun computes only what is missing and a killed worker loses
+only the unit it was running. At the end (or with ``--merge-only``) the items are merged into the files
+``python -m probes.<probe>`` writes (rows in its order, then its summaries, tables and figures) under
+``DIR/<probe>/``; ``python -m probes.<probe> --out DIR/<probe>`` with the same settings finds every row done.
 """
 
 from __future__ import annotations

@@ -214,21 +214,13 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
 
 
 # -- models -----------------------------------------------------------------------------------------
-def embedded_name(name: str) -> Optional[str]:
-    """The embedded model's canonical name when ``name`` is one of its aliases, else None."""
-    from randattn.models import _EMBEDDED, _EMBEDDED_ALIASES
-
-    key = _EMBEDDED_ALIASES.get(name.lower(), name.lower())
-    return key if key in _EMBEDDED else None
-
-
 def check_model(name: str, key: str = "models") -> ModelInfo:
     """The model as a plan sees it (tokenizer, config, generation config, which embedded model it is), read on the
     driver without loading weights: it plans batches by prompt length and refuses policies that cannot serve the
     model. Anything unloadable is a :class:`SpecError` naming ``key``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from randattn.models import _converted_embedded, _looks_like_path
+    from randattn.models import _converted_embedded, _looks_like_path, embedded_name
 
     fix = (f"give a local directory with config.json, tokenizer and weights, a hub id this machine can reach, or "
            f"'{randattn.DEFAULT_MODEL}' (the embedded model)")

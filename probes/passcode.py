@@ -101,7 +101,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     return Plan("passcode", config, outputs, todo, meta={"sessions": sessions, "summary": str(summary)})
 
 
-def _by_policy(p: Plan, rows: dict) -> dict:
+def rows_by_policy(p: Plan, rows: dict) -> dict:
     """``{policy: rows}`` of this run's instances (Random's with its references after its own)."""
     out = {}
     for policy, s in p.meta["sessions"].items():
@@ -125,12 +125,12 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
     files = run_local(p, model, tok, restart=config.restart, desc="passcode")
     sessions = {pol: dataclasses.replace(s, model=model, tok=tok, results=files[str(s.results.path)])
                 for pol, s in p.meta["sessions"].items()}
-    return _by_policy(p, {path: rf.rows for path, rf in files.items()}), sessions
+    return rows_by_policy(p, {path: rf.rows for path, rf in files.items()}), sessions
 
 
 def merge(p: Plan, rows: dict, figures: bool) -> list[Path]:
     """The comparison summary beside the per-policy files, as :func:`report` writes it; prints the table."""
-    by_policy = _by_policy(p, rows)
+    by_policy = rows_by_policy(p, rows)
     config = p.config
     table = passcode_compare(by_policy, seed=config.seed)
     first = p.outputs[0].config

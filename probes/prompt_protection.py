@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
 import randattn
 from analysis.names import result_name
@@ -36,6 +35,7 @@ from . import cli
 from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
 from .planted_run import load, write_csv
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
 
 RESTATE = "\n\nLet me restate the question: "
 
@@ -88,17 +88,23 @@ def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *
               seed: int, options: Optional[dict] = None) -> list[dict]:
     """Replay instances ``idx`` under one policy (``"full"``: no eviction); one row per instance with the digit
     accuracy and mean log-prob of the restated question."""
-    built = [tasks.build(k) for k in idx]
+    return replay_built(model, [tasks.build(k) for k in idx], idx, policy, protect, budget=budget, buffer=buffer,
+                        seed=seed, prompt_len=tasks.prompt_len, digit=tasks.digit, options=options)
+
+
+def replay_built(model, built: list, idx: list[int], policy: str, protect: bool, *, budget: int, buffer: int,
+                 seed: int, prompt_len: int, digit, options: Optional[dict] = None) -> list[dict]:
+    """:func:`run_batch` on instances already built (``Tasks.build``: ids and where the restatement starts)."""
     ids = torch.tensor([b[0] for b in built], device=model.device)
     score_from = built[0][1]
     spec = randattn.EvictionSpec.full() if policy == "full" else randattn.EvictionSpec(
         policy, budget, buffer, protect_prompt=protect, seed=seed, options=options or {})
     cache = spec.make_cache(max_tokens=ids.shape[1])
-    res = randattn.replay(model, ids, cache, prompt_len=tasks.prompt_len, score_from=score_from)
+    res = randattn.replay(model, ids, cache, prompt_len=prompt_len, score_from=score_from)
     target = ids[:, score_from:].cpu()
     lp = res.logprobs[:, score_from:].double()
     hit = res.argmax[:, score_from:] == target
-    is_digit = torch.tensor([[t in tasks.digit for t in row] for row in target.tolist()])
+    is_digit = torch.tensor([[t in digit for t in row] for row in target.tolist()])
     rows = []
     for j, k in enumerate(idx):
         d = is_digit[j]
@@ -129,18 +135,25 @@ class Config(EvictionConfig):
         return None  # every policy runs score-only and protected
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
-    """Every policy score-only and protected (plus full attention) on the same instances; resumable."""
+KEY = ("instance", "policy", "protect")
+
+
+def _traces(config: Config) -> tuple[Path, list]:
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
-        rows = load_rows(traces)
+        return traces, load_rows(traces)
     except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
         raise ConfigError("traces", str(exc)) from None
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Every policy score-only and protected (plus full attention) on the same instances: one unit per arm and batch,
+    the instances built here."""
+    traces, rows = _traces(config)
     folder = out_folder("prompt_protection", config.out)
-    model, tok = load(config, None if model is None else (model, tokenizer))
     for pol in config.policies:  # every policy binds before the first runs (a policy refusing the model stops here)
-        config.bind(config.spec(pol), model)
-    tasks = Tasks(tok, rows, body=config.body, seed=config.seed)
+        config.bind(config.spec(pol), model.bind_target)
+    tasks = Tasks(model.tokenizer, rows, body=config.body, seed=config.seed)
     if len(tasks) < config.instances:
         raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
                                        f"{len(tasks)} or more traces")
@@ -153,27 +166,55 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[d
         raise ConfigError("body", f"{config.body} makes instances of {longest} tokens, past the model's "
                                   f"max_position_embeddings={limit}; use --body <= {config.body - (longest - limit)}")
     config.fits(None, tasks.prompt_len)  # the protected arms pin the prompt
-    model_name = config.model or randattn.DEFAULT_MODEL
+    model_name = model.name
     record = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": config.budget,
               "buffer": config.buffer, "body": config.body, "seed": config.seed, "batch": config.batch,
-              "prompt_len": tasks.prompt_len, "traces": trace_label(traces), **run_record(model)}
-    path = folder / result_name("prompt_protection", record)
-    try:
-        rf = ResultsFile(path, record, ("instance", "policy", "protect"), restart=config.restart)
-    except (ValueError, PermissionError) as exc:
-        raise ConfigError("out", str(exc)) from None
-    print(f"model {model_name} | T={config.budget} per head after a round, r={config.buffer} | prompt "
-          f"{tasks.prompt_len} tokens, body {config.body} (~{config.body // config.buffer} rounds), restated question "
-          f"{len(tasks.restate[tasks.pool[0]]) - tasks.prefix_len} tokens")
+              "prompt_len": tasks.prompt_len, "traces": trace_label(traces), **run_record(model.model)}
+    output = Output(str(folder / result_name("prompt_protection", record)), record, KEY)
+    describe = (f"model {model_name} | T={config.budget} per head after a round, r={config.buffer} | prompt "
+                f"{tasks.prompt_len} tokens, body {config.body} (~{config.body // config.buffer} rounds), restated "
+                f"question {len(tasks.restate[tasks.pool[0]]) - tasks.prefix_len} tokens")
     arms = [("full", False)] + [(pol, prot) for pol in config.policies for prot in (False, True)]
     batches = [list(range(b, min(config.instances, b + config.batch))) for b in range(0, config.instances, config.batch)]
-    todo = [(arm, idx) for arm in arms for idx in batches if any((i, *arm) not in rf.done for i in idx)]
-    for (policy, protect), idx in tqdm(todo, desc="prompt protection", unit="batch"):
-        try:
-            rf.append(run_batch(model, tasks, idx, policy, protect, budget=config.budget, buffer=config.buffer,
-                                seed=config.seed * 1_000_003 + idx[0]))
-        except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed T - r
-            raise ConfigError("policies", f"{policy} (protect_prompt={protect}): {exc}") from None
+    todo = []
+    for policy, protect in arms:
+        for idx in batches:
+            seed = config.seed * 1_000_003 + idx[0]
+            work = {"built": [tasks.build(k) for k in idx], "idx": idx, "policy": policy, "protect": protect,
+                    "budget": config.budget, "buffer": config.buffer, "seed": seed, "prompt_len": tasks.prompt_len,
+                    "digit": tasks.digit}
+            todo.append(make_unit("prompt_protection", model_name, output, {"policy": policy, "protect": protect},
+                                  [{"instance": i} for i in idx], work, salt=seed,
+                                  label=f"{policy} protect={protect} from {idx[0]}"))
+    return Plan("prompt_protection", config, [output], todo, meta={"describe": describe})
+
+
+def run_unit(model, tok, unit: Unit):
+    """Replay one batch of instances under one arm; yields its rows."""
+    w = unit.work
+    try:
+        yield replay_built(model, w["built"], w["idx"], w["policy"], w["protect"], budget=w["budget"],
+                           buffer=w["buffer"], seed=w["seed"], prompt_len=w["prompt_len"], digit=w["digit"])
+    except ValueError as exc:  # e.g. a policy's own pinned window plus the protected prompt exceed T - r
+        raise ConfigError("policies", f"{w['policy']} (protect_prompt={w['protect']}): {exc}") from None
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list:
+    """:func:`report` on the merged file: its table, summary and figure."""
+    (o,) = p.outputs
+    rf = ResultsFile(o.path, o.config, KEY)  # the merged file, read back
+    report(p.config.replace(no_figure=not figures), rf, rf.rows)
+    return [rf.path, rf.path.with_suffix(".summary.csv")]
+
+
+def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
+    """Every policy score-only and protected (plus full attention) on the same instances; resumable (the local
+    backend over :func:`plan`'s units)."""
+    _traces(config)  # refused before the model loads
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    print(p.meta["describe"])
+    (rf,) = run_local(p, model, tok, restart=config.restart, desc="prompt protection").values()
     return rf, rf.rows
 
 
@@ -200,6 +241,8 @@ def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
+
+KIND = Kind("prompt_protection", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

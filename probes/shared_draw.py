@@ -19,6 +19,7 @@ diversity matters for once-stated facts.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,13 @@ from analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
 from . import cli, passcode
-from .blocks import full_attention, run_nll
+from .blocks import full_attention, nll_units, run_nll
 from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import PlantedConfig, Session, describe, run_conditions, setup, write_csv
-from .results import out_folder
+from .planted_run import (KEY, PlantedConfig, Session, condition_units, describe, run_conditions, run_unit,
+                          session_rows, setup, write_csv)
+from .results import ResultsFile, out_folder
+from .units import Kind, ModelInfo, Plan
 
 POLICIES = ("random", "random-shared")
 
@@ -69,6 +72,58 @@ def passcode_config(config: Config) -> passcode.Config:
                            references=False, parity=0)
 
 
+def conditions(s: Session) -> list[Condition]:
+    w = s.config.box_width
+    return [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w), Condition.policy("policy")]
+
+
+def nll_arms(config: Config) -> dict:
+    arms = {"full": full_attention(config.length)}
+    for policy in POLICIES:
+        arms[policy] = (lambda pol: lambda bi: config.spec(pol, seed=config.seed * 1_000_003 + bi))(policy)
+    return arms
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Each policy's planted-fact batches, the next-token-loss batches, then the passcode part's own plan, in the
+    order the command line runs them."""
+    loaded = (model.bind_target, model.tokenizer)
+    outputs, todo, sessions = [], [], {}
+    for policy in POLICIES:
+        s = sessions[policy] = setup("shared_draw", config.replace(policy=policy), loaded=loaded, open_results=False)
+        if not config.skip_planted:
+            outputs.append(s.results)
+            todo += condition_units(s, conditions(s))
+    meta = {"sessions": sessions, "nll": None, "passcode": None}
+    if not config.skip_nll:
+        out = Path(s.results.path).parent / result_name("shared_draw", config, "nll", model=s.results.config["model"])
+        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, out)
+        outputs.append(nll)
+        todo += units
+        meta["nll"] = nll.path
+    if not config.skip_passcode:
+        codes = meta["passcode"] = passcode.plan(passcode_config(config), model)
+        outputs += codes.outputs
+        todo += codes.units
+    return Plan("shared_draw", config, outputs, todo, meta=meta)
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list:
+    """:func:`report` on the merged files."""
+    config = p.config.replace(no_figure=not figures)
+    sessions = p.meta["sessions"]
+    planted = {} if config.skip_planted else {
+        pol: session_rows(s, conditions(s), rows.get(str(s.results.path), [])) for pol, s in sessions.items()}
+    nll = rows.get(p.meta["nll"], []) if p.meta["nll"] else []
+    codes = passcode.rows_by_policy(p.meta["passcode"], rows) if p.meta["passcode"] else {}
+    last = list(sessions.values())[-1]
+    s = dataclasses.replace(last, config=config, results=ResultsFile(last.results.path, last.results.config, KEY))
+    report(s, planted, nll, codes)
+    model = Path(str(last.results.config["model"])).name
+    return [Path(o.path) for o in p.outputs] + [Path(last.results.path).parent / result_name(
+        "shared_draw", config, "summary", model=model)]
+
+
 def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict], dict]:
     """``(session, {policy: planted rows}, next-token-loss rows, {policy: passcode rows})``; resumable."""
     loaded = None if model is None else (model, tokenizer)
@@ -80,18 +135,11 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list
             print(describe(s))
         loaded = (s.model, s.tok)
         if not config.skip_planted:
-            w = config.box_width
-            conds = [Condition.heads("deleted", [], w), Condition.heads("all", range(s.n_heads), w),
-                     Condition.policy("policy")]
-            planted[policy] = run_conditions(s, conds, desc=f"planted fact: {policy}")
+            planted[policy] = run_conditions(s, conditions(s), desc=f"planted fact: {policy}")
     nll = []
     if not config.skip_nll:
-        a = config
-        arms = {"full": full_attention(config.length)}
-        for policy in POLICIES:
-            arms[policy] = (lambda pol: lambda bi: a.spec(pol, seed=a.seed * 1_000_003 + bi).make_cache())(policy)
-        out = s.results.path.parent / result_name("shared_draw", a, "nll", model=s.results.config["model"])
-        nll = run_nll(s, arms, config.sequences, config.length, out, desc="next-token loss")
+        out = s.results.path.parent / result_name("shared_draw", config, "nll", model=s.results.config["model"])
+        nll = run_nll(s, nll_arms(config), config.sequences, config.length, out, desc="next-token loss")
     codes = {}
     if not config.skip_passcode:
         codes, _ = passcode.run(passcode_config(config), *loaded)
@@ -146,6 +194,8 @@ def report(s: Session, planted: dict, nll: list[dict], codes: dict) -> None:
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
 
+
+KIND = Kind("shared_draw", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

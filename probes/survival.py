@@ -41,6 +41,7 @@ from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, set
 from .planted_run import load
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
 
 PAPER = {"budget": 1024, "buffer": 64}
 MODES = {"protected": True, "score-only": False}  # mode -> protect_prompt
@@ -263,57 +264,89 @@ def _slug(config: dict) -> str:
     return result_name("survival", config)[: -len(".jsonl")]
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
-    """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``."""
+KEY = ("policy", "mode", "sequence")
+
+
+def _traces(config: Config) -> tuple[Path, list]:
     traces = Path(config.traces) if config.traces else DEFAULT_TRACES
     try:
-        rows = read_rows(traces)
+        return traces, read_rows(traces)
     except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
         raise ConfigError("traces", str(exc)) from None
+
+
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """Every policy and mode over the chats: one unit per (policy, mode, batch of chats of one prompt length)."""
+    traces, rows = _traces(config)
     folder = out_folder("survival", config.out)
-    model, tok = load(config, None if model is None else (model, tokenizer))
     for pol in config.policies:  # every policy binds before the first runs (a policy refusing the model stops here)
-        config.bind(config.spec(pol), model)
+        config.bind(config.spec(pol), model.bind_target)
     n_layers, n_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     length = config.budget + config.rounds * config.buffer
     # A protected prompt needs a free slot beside the recent window of r; score-only prompts just have to leave
     # room for generated text.
     max_prompt = (longest_prompt(config.budget, config.buffer) + 1 if "protected" in config.modes
                   else config.budget + config.buffer)
-    chats = build_chats(tok, rows, config.sequences, length, config.seed, max_prompt)
-    record = {"probe": "survival", "engine": randattn.ENGINE, "model": config.model or randattn.DEFAULT_MODEL,
+    chats = build_chats(model.tokenizer, rows, config.sequences, length, config.seed, max_prompt)
+    record = {"probe": "survival", "engine": randattn.ENGINE, "model": model.name,
               "traces": trace_label(traces), "budget": config.budget, "buffer": config.buffer, "rounds": config.rounds,
               "length": length, "sequences": config.sequences, "batch": config.batch, "seed": config.seed,
               "age_bin": config.age_bin, "entropy_bins": config.entropy_bins, "kv_heads": n_heads, "layers": n_layers,
-              **run_record(model)}
-    try:
-        results = ResultsFile(folder / result_name("survival", record), record, ("policy", "mode", "sequence"),
-                              restart=config.restart)
-    except (ValueError, PermissionError) as exc:
-        raise ConfigError("out", str(exc)) from None
+              **run_record(model.model)}
+    output = Output(str(folder / result_name("survival", record)), record, KEY)
     groups = batches(chats, config.batch)
     lps = sorted({c.prompt_len for c in chats})
     qs = {m: [round(keepstats.random_round_survival(config.budget, config.buffer, lp, MODES[m]), 4) for lp in lps]
           for m in config.modes}
-    print(f"model {record['model']} ({n_layers} layers, {n_heads} KV heads) | T={config.budget} r={config.buffer} | "
-          f"{len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), {config.rounds} rounds "
-          f"per layer | Random per-round survival: "
-          + "; ".join(f"{m} {'/'.join(map(str, v))}" for m, v in qs.items()))
-    jobs = [(pol, mode, bi, batch) for pol in config.policies for mode in modes_of(pol, config.modes)
-            for bi, batch in enumerate(groups)]
-    todo = [j for j in jobs if any((j[0], j[1], c.index) not in results.done for c in j[3])]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="survival", unit="run")
-    for pol, mode, bi, batch in todo:
-        bar.set_postfix_str(f"{pol}/{mode}")
-        new = run_batch(model, batch, pol, mode, config, {}, seed=config.seed * 1_000_003 + bi)
-        if new[0]["rounds_min"] != config.rounds or new[0]["rounds_max"] != config.rounds:
-            tqdm.write(f"note: {pol}/{mode} ran {new[0]['rounds_min']}-{new[0]['rounds_max']} rounds per layer, "
-                       f"not {config.rounds} (a prompt longer than T + r is cut at its prefill)")
-        results.append(new)
-        bar.update(1)
-    bar.close()
+    describe = (f"model {record['model']} ({n_layers} layers, {n_heads} KV heads) | T={config.budget} "
+                f"r={config.buffer} | {len(chats)} chats of {length} tokens (prompt {'/'.join(map(str, lps))} tokens), "
+                f"{config.rounds} rounds per layer | Random per-round survival: "
+                + "; ".join(f"{m} {'/'.join(map(str, v))}" for m, v in qs.items()))
+    todo = []
+    for pol in config.policies:
+        for mode in modes_of(pol, config.modes):
+            for bi, batch in enumerate(groups):
+                work = {"chats": batch, "policy": pol, "mode": mode, "config": config,
+                        "seed": config.seed * 1_000_003 + bi}
+                todo.append(make_unit("survival", model.name, output, {"policy": pol, "mode": mode},
+                                      [{"sequence": c.index} for c in batch], work, salt=work["seed"],
+                                      label=f"{pol}/{mode} batch {bi}"))
+    return Plan("survival", config, [output], todo, meta={"describe": describe, "n_heads": n_heads})
+
+
+def run_unit(model, tok, unit: Unit):
+    """Replay one batch of chats under one policy and mode with a keep-log; yields its rows."""
+    w = unit.work
+    new = run_batch(model, w["chats"], w["policy"], w["mode"], w["config"], {}, seed=w["seed"])
+    rounds = w["config"].rounds
+    if new[0]["rounds_min"] != rounds or new[0]["rounds_max"] != rounds:
+        tqdm.write(f"note: {w['policy']}/{w['mode']} ran {new[0]['rounds_min']}-{new[0]['rounds_max']} rounds per "
+                   f"layer, not {rounds} (a prompt longer than T + r is cut at its prefill)")
+    yield new
+
+
+def _wanted(config: Config, rows: list[dict]) -> list[dict]:
     wanted = {(pol, mode) for pol in config.policies for mode in modes_of(pol, config.modes)}
-    return results, [r for r in results.rows if (r["policy"], r["mode"]) in wanted], n_heads
+    return [r for r in rows if (r["policy"], r["mode"]) in wanted]
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list:
+    """:func:`report` on the merged file."""
+    (o,) = p.outputs
+    rf = ResultsFile(o.path, o.config, KEY)  # the merged file, read back
+    report(p.config.replace(no_figure=not figures), rf, _wanted(p.config, rf.rows), p.meta["n_heads"])
+    return [rf.path]
+
+
+def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
+    """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``.
+    The local backend over :func:`plan`'s units."""
+    _traces(config)  # refused before the model loads
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    print(p.meta["describe"])
+    (results,) = run_local(p, model, tok, restart=config.restart, desc="survival").values()
+    return results, _wanted(config, results.rows), p.meta["n_heads"]
 
 
 def report(config: Config, results: ResultsFile, rows: list[dict], n_heads: int) -> None:
@@ -339,6 +372,8 @@ def report(config: Config, results: ResultsFile, rows: list[dict], n_heads: int)
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
 
+
+KIND = Kind("survival", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -172,8 +172,10 @@ class Kind:
 
 #: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
 KINDS: dict[str, str] = {name: f"probes.{name}" for name in ("accuracy", "passcode", "head_pooling", "scatter",
-                                                              "two_facts")}
+                                                              "two_facts", "prompt_protection", "survival", "blocks",
+                                                              "shared_draw")}
 KINDS["planted"] = "probes.planted_run"  # the runner of every planted-fact probe's units
+KINDS["nll"] = "probes.blocks:NLL"  # the runner of the next-token-loss units (blocks, shared draw)
 _LOADED: dict[str, Kind] = {}
 
 
@@ -195,7 +197,8 @@ def kind(name: str) -> Kind:
         if module is None:
             raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))} (or a module of "
                            "probes/ that defines KIND)")
-        _LOADED[name] = importlib.import_module(module).KIND
+        module, _, attr = module.partition(":")  # "package.module[:NAME]": a module's KIND, or its NAME
+        _LOADED[name] = getattr(importlib.import_module(module), attr or "KIND")
     return _LOADED[name]
 
 
