@@ -55,11 +55,12 @@ from analysis.autopsy import held_map, location, pack_mask, span_survival, summa
 from analysis.names import result_name
 
 from . import cli
-from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
+from .config import NONNEGATIVE, POSITIVE, SETTINGS, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load, write_csv
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 from .tasks import COPY_N, copy_problem, grade_copy, problem_ids, chat_ids
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, open_files, run_local
 
 TASK_NAMES = ("copy", "recall")
 PROTECTIONS = ("native", "protected", "score-only")
@@ -464,9 +465,8 @@ def _eos(model, tok) -> set:
 # -- the command line ---------------------------------------------------------------------------------------------
 @dataclass
 @eviction(policy=setting(("random",), help="policies autopsied at the same K (one results file each)"),
-          budget=setting(None, help="T: pairs each KV head holds right after a round, the newest r among them "
-                                    "(default 256)"),
-          buffer=setting(None, help="r: new pairs between rounds, the recent window (default 16)"))
+          budget=setting(None, help=SETTINGS["budget"].help + " (default 256)"),
+          buffer=setting(None, help=SETTINGS["buffer"].help + " (default 16)"))
 class Config(EvictionConfig):
     """Eviction autopsy: the eviction that changed the answer, proved by fork replay (``python -m probes.autopsy``)."""
 
@@ -547,16 +547,15 @@ def summary_path(folder: Path, model_name: str, config: Config) -> Path:
                                 buffer=config.buffer, seed=config.seed)
 
 
-def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
-    """Every problem under every policy (rows resumed per problem); returns the results files."""
+def plan(config: Config, model: ModelInfo) -> Plan:
+    """One result file per policy, one unit per (policy, problem), policy by policy as the command line runs them."""
     folder = out_folder("autopsy", config.out)
-    model, tok = load(config, None if model is None else (model, tokenizer))
     for spec in config.policy:  # every policy binds before the first runs (a policy refusing the model stops here)
-        config.bind(config.spec(spec, protect_prompt=config.protect(spec)), model)
-    cases = cases_of(config, tok)
+        config.bind(config.spec(spec, protect_prompt=config.protect(spec)), model.bind_target)
+    cases = cases_of(config, model.tokenizer)
     longest = max(c.prompt_len for c in cases)
-    model_name = config.model or randattn.DEFAULT_MODEL
-    files = []
+    model_name = model.name
+    outputs, todo = [], []
     for spec in config.policy:
         protect = config.protect(spec)
         config.fits(config.spec(spec, protect_prompt=protect), longest, what=spec, fix="--protection score-only")
@@ -566,33 +565,61 @@ def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
                   "traces": trace_label(Path(config.traces) if config.traces else DEFAULT_TRACES)
                   if config.kind == "recall" else None, "max_new": config.max_new, "horizon": config.horizon,
                   "max_replays": config.max_replays, "window": config.window, "necessity": not config.no_necessity,
-                  **run_record(model)}
-        try:
-            rf = ResultsFile(results_path(folder, model_name, config, spec, protect), record, KEY,
-                             restart=config.restart)
-        except (ValueError, PermissionError) as exc:
-            raise ConfigError("out", str(exc)) from None
-        files.append(rf)
-    full_gens: dict = {}
-    stop = _eos(model, tok)
-    todo = [(rf, spec, c) for rf, spec in zip(files, config.policy) for c in cases if (c.id,) not in rf.done]
-    print(f"model {model_name} | {config.kind}: {len(cases)} problem(s) | T={config.budget}, r={config.buffer} | policies "
-          + ", ".join(f"{s} ({protection_tag(config.protect(s))})" for s in config.policy)
-          + f" | {len(todo)} autopsies to run")
-    for rf, spec, case in tqdm(todo, desc="autopsy", unit="problem"):
-        a = Autopsy(model, tok, case, policy=spec, budget=config.budget, buffer=config.buffer, protect=config.protect(spec),
-                    seed=config.seed, options=_task_options(config, spec), horizon=config.horizon,
-                    max_replays=config.max_replays, window=config.window, necessity=not config.no_necessity, stop=stop,
-                    full=full_gens.get(case.id))
-        try:
-            row = a.run()
-        except ValueError as exc:
-            raise ConfigError("policy", f"{spec}: {exc}") from None
-        full_gens[case.id] = a.full
-        row["task"] = config.kind
-        rf.append([row])
-        tqdm.write(_line(row))
-    return files
+                  **run_record(model.model)}
+        out = Output(str(results_path(folder, model_name, config, spec, protect)), record, KEY)
+        outputs.append(out)
+        todo += [make_unit("autopsy", model_name, out, {}, [{"problem": c.id}], {"case": c, "spec": spec,
+                                                                                   "config": config},
+                           label=f"{spec} {c.id}") for c in cases]
+    return Plan("autopsy", config, outputs, todo, meta={"cases": len(cases)})
+
+
+#: Full-attention generations already made in this process, by (model, problem): every policy's autopsy of a
+#: problem starts from the same one (greedy, no eviction), so it is generated once per worker.
+_FULL: dict = {}
+
+
+def run_unit(model, tok, unit: Unit):
+    """The autopsy of one problem under one policy; yields its row."""
+    w = unit.work
+    config, spec, case = w["config"], w["spec"], w["case"]
+    key = (id(model), case.id, tuple(case.prefix), case.prompt_len, case.max_new)
+    a = Autopsy(model, tok, case, policy=spec, budget=config.budget, buffer=config.buffer, protect=config.protect(spec),
+                seed=config.seed, options=_task_options(config, spec), horizon=config.horizon,
+                max_replays=config.max_replays, window=config.window, necessity=not config.no_necessity,
+                stop=_eos(model, tok), full=_FULL.get(key))
+    try:
+        row = a.run()
+    except ValueError as exc:
+        raise ConfigError("policy", f"{spec}: {exc}") from None
+    if len(_FULL) > 256:
+        _FULL.clear()
+    _FULL[key] = a.full
+    row["task"] = config.kind
+    tqdm.write(_line(row))
+    yield [row]
+
+
+def merge(p: Plan, rows: dict, figures: bool) -> list:
+    """:func:`report` on the merged files."""
+    files = [ResultsFile(o.path, o.config, KEY) for o in p.outputs]  # the merged files, read back
+    config = p.config.replace(no_figure=not figures)
+    report(config, files)
+    return [rf.path for rf in files] + [summary_path(files[0].path.parent, files[0].config["model"], config)]
+
+
+def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
+    """Every problem under every policy (rows resumed per problem), the local backend over :func:`plan`'s units;
+    returns the results files."""
+    model, tok = load(config, None if model is None else (model, tokenizer))
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    files = open_files(p, restart=config.restart)
+    pending = sum(u.pending(files[u.output].done, KEY) is not None for u in p.units)
+    print(f"model {p.outputs[0].config['model']} | {config.kind}: {p.meta['cases']} problem(s) | T={config.budget}, "
+          f"r={config.buffer} | policies " + ", ".join(f"{s} ({protection_tag(config.protect(s))})" for s in config.policy)
+          + f" | {pending} autopsies to run")
+    files = run_local(p, model, tok, desc="autopsy", files=files)
+    return [files[o.path] for o in p.outputs]
 
 
 def _task_options(config: Config, spec: str) -> dict:
@@ -638,6 +665,9 @@ def _wanted(config: Config) -> list[str]:
 
 def main(argv=None) -> int:
     return cli.main(Config, lambda c: report(c, run(c)), argv, __doc__)
+
+
+KIND = Kind("autopsy", Config, plan, run_unit, merge)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,20 @@ analysis of its rows. The command line, the grid and the challenge all build the
 command line sees an argparse Namespace::
 
     @dataclass
-    class MyConfig(RunConfig):
-        budget: int = option(256, "T: pairs per KV head right after a round", check=POSITIVE)
+    @eviction(policy="random", budget=256, buffer=16)   # the eviction settings: defined once (SETTINGS)
+    class MyConfig(EvictionConfig):
+        body: int = option(512, "tokens between question and answer", check=POSITIVE)   # the probe's own
 
     config = MyConfig(budget=128)            # from Python: validated on construction
     config = parse(MyConfig, argv, "doc")    # from a command line: the same validation, errors name the flag
+    cache = config.spec().make_cache()       # its caches: from a randattn.EvictionSpec
 
 A field becomes ``--field-name``; a ``bool`` field defaulting to False becomes a switch, one defaulting to True a
 ``--no-field-name`` switch; a ``tuple`` field takes one or more values. ``check`` names a range every value must be
 in (``POSITIVE``, ``NONNEGATIVE``, ``FINITE``, ``PROBABILITY``, or a function returning an error text or None);
 ``Config.check()`` adds checks across fields. A failed check raises :class:`ConfigError` naming the field, which the
-command line turns into a usage error naming the flag.
+command line turns into a usage error naming the flag. Values come in layers: the defaults, then a ``--config``
+TOML file, then the flags (:func:`parse_values`).
 """
 
 from __future__ import annotations
