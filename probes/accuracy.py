@@ -501,8 +501,8 @@ def arm_units(config: Config, model_name: str, output: Output, task, problems, p
     """The batches a fresh run generates for ``arms`` (``config`` resolved)."""
     gen = Generation.of(config)
     out = []
-    for arm, run, idx in pending_batches(arms, problems, prompts, lambda a: runs_for(a, config.runs, config.temperature),
-                                         set(), config.batch, config.pack):
+    runs_of = lambda a: runs_for(a, config.runs, config.temperature)  # noqa: E731
+    for arm, run, idx in pending_batches(arms, problems, prompts, runs_of, set(), config.batch, config.pack):
         # Packed rows draw by their own key, so their seed must not name the batch's first problem either.
         seed = batch_seed(config.seed, run, 0 if config.pack else idx[0])
         work = {"task": task.name, "unsafe": config.unsafe_code_grading, "problems": [problems[i] for i in idx],

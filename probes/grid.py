@@ -129,7 +129,8 @@ class Progress:
             # each row with its place among the unit's rows, so the merge writes them in the order a local run does
             order = [n for n, r in enumerate(result["rows"]) if units.rows_of_item(unit, item, [r])]
             record = {"id": item_id, "unit": unit.id, "kind": unit.kind, "output": unit.output,
-                      "key": {**unit.fixed, **item}, "rows": [result["rows"][n] for n in order], "order": order, "worker": result["worker"], "device": result["device"], "seconds": seconds,
+                      "key": {**unit.fixed, **item}, "rows": [result["rows"][n] for n in order], "order": order,
+                      "worker": result["worker"], "device": result["device"], "seconds": seconds,
                       "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
             self.written += self.store.write(item_id, record)
         self.tokens += result["tokens"]
@@ -151,7 +152,8 @@ def merged_rows(chain: Chain, store: ItemStore, done: set) -> dict:
             if i in done:
                 record = store.read(i)
                 # the row's place among its unit's rows; an item without places keeps its rows in item order
-                places = record.get("order") or [len(unit.ids) * 10**6 + n * 10**4 + k for k in range(len(record["rows"]))]
+                places = record.get("order") or [len(unit.ids) * 10**6 + n * 10**4 + k
+                                                 for k in range(len(record["rows"]))]
                 have += list(zip(places, record["rows"]))
         rows[unit.output] += [r for _, r in sorted(have, key=lambda x: x[0])]
     return rows

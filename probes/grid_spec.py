@@ -35,7 +35,6 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
 
 import randattn
 
@@ -106,7 +105,8 @@ def _coerce(key: str, value, tp):
     what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind in (int, float, str, bool) and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+    simple = kind in (int, float, str, bool)
+    if simple and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
         raise SpecError(f"{key}: expected {what}, got {value!r}")
     return value
 
@@ -160,7 +160,8 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
     try:
         kind = units.kind(probe) if isinstance(probe, str) else units.kind(repr(probe))
     except KeyError as exc:
-        raise SpecError(f"probe: {exc.args[0]} (the other probes run on one machine: python -m probes.<name>)") from None
+        raise SpecError(f"probe: {exc.args[0]} (the other probes run on one machine: python -m probes.<name>)") \
+            from None
     if kind.plan is None:
         raise SpecError(f"probe: {probe!r} only runs the units other probes plan; name a probe (kinds: "
                         f"{', '.join(_other_kinds(probe))})")

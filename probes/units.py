@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from tqdm.auto import tqdm
 
 __all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
-           "run_local", "unit_rows", "rows_of_item", "write_rows", "run", "command"]
+           "run_local", "unit_rows", "rows_of_item", "open_files", "write_rows", "run", "command"]
 
 
 def stable_id(*parts: Any) -> str:
@@ -173,7 +173,7 @@ class Kind:
 #: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
 KINDS: dict[str, str] = {name: f"probes.{name}" for name in ("accuracy", "passcode", "head_pooling", "scatter",
                                                               "two_facts", "prompt_protection", "survival", "blocks",
-                                                              "shared_draw")}
+                                                              "shared_draw", "autopsy")}
 KINDS["planted"] = "probes.planted_run"  # the runner of every planted-fact probe's units
 KINDS["nll"] = "probes.blocks:NLL"  # the runner of the next-token-loss units (blocks, shared draw)
 _LOADED: dict[str, Kind] = {}
