@@ -646,7 +646,20 @@ API_ROWS = [
     ("random-ppp-paper-mode-protected", lambda: randattn.EvictingCache("random_ppp", budget=32, buffer=8,
                                                                          protect_prompt=True),
      "runs with the prompt unprotected by definition"),
+    ("vllm-config-unknown-key", lambda: _vllm_config({"budget": 64, "buffer": 8, "bufer": 8}), "unknown keys ['bufer']"),
+    ("vllm-config-no-budget", lambda: _vllm_config({"policy": "random", "buffer": 8}), "needs 'budget'"),
+    ("vllm-policy-h2o", lambda: _vllm_config({"policy": "h2o", "budget": 64, "buffer": 8}),
+     "policy 'h2o' needs the attention each pair received"),
 ]
+
+
+def _vllm_config(section):
+    """The vLLM plugin's config check (randattn.vllm.runner.engine_config), as vLLM's front end calls it."""
+    from types import SimpleNamespace
+
+    from randattn.vllm.runner import engine_config
+
+    return engine_config(SimpleNamespace(additional_config={"randattn": section}))
 
 
 @pytest.mark.parametrize("call, message", [r[1:] for r in API_ROWS], ids=[r[0] for r in API_ROWS])
