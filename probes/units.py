@@ -36,6 +36,17 @@ Backends run units and never know which probe they belong to:
   registered kind, each finished item written once to ``DIR/items/`` by the driver (a Ray actor per worker returns
   rows, never writes), then merged into the files :func:`run_local` writes, row for row and in the same order
   (each item keeps its rows' places among its unit's rows), and the kind's ``merge``.
+
+Driving units from code (a leaderboard, a notebook)::
+
+    from probes import units
+    k = units.kind("passcode")                       # registered in KINDS, any probes/<name>.py with KIND, or
+    config = k.config(policies=("random", "snapkv"))  # any Kind made in this process
+    plan, files = units.run(k, config)                # load the model, plan, run the pending units here
+    k.merge(plan, {path: rf.rows for path, rf in files.items()}, False)
+
+``units.command(KIND, __doc__)`` is such a kind's whole command line. On a cluster, the units of several plans go to
+``probes.grid_backends.RayBackend(...).run(units, done, failed)`` as ``probes.grid`` does.
 """
 
 from __future__ import annotations
