@@ -35,12 +35,13 @@ def _hf_run(model, prompt_ids, key, engine, max_tokens):
     tokens, logprobs = [], []
     with torch.inference_mode():
         logits = randattn.decode_step(model, ids, cache)[:, -1]
-        for _ in range(max_tokens):
+        for i in range(max_tokens):
             lp = torch.log_softmax(logits.float(), dim=-1)
             nxt = int(lp.argmax(-1))
             tokens.append(nxt)
             logprobs.append(float(lp[0, nxt]))
-            logits = randattn.decode_step(model, torch.tensor([[nxt]]), cache)[:, -1]
+            if i + 1 < max_tokens:  # vLLM never feeds its last token back either (it would only run a round)
+                logits = randattn.decode_step(model, torch.tensor([[nxt]]), cache)[:, -1]
     return tokens, logprobs, cache.keep_log
 
 
