@@ -472,6 +472,12 @@ def before_after() -> list[str]:
     return table()
 
 
+def bench_vllm() -> list[str]:
+    from figures.vllm_table import table  # bench/vllm.json (python -m bench.vllm, in the vLLM environment)
+
+    return table()
+
+
 TABLES: dict[str, Callable[[], list[str]]] = {
     "head_pooling": head_pooling, "scatter": scatter, "two_facts": two_facts, "blocks": blocks,
     "shared_draw": shared_draw, "passcode": passcode, "prompt_protection": prompt_protection, "survival": survival,
@@ -481,7 +487,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
-    "bench_pack": bench_pack,
+    "bench_pack": bench_pack, "bench_vllm": bench_vllm,
 }
 
 

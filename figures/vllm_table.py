@@ -27,17 +27,25 @@ def table() -> list[str]:
     for r in rows:
         vllm = r["arm"].startswith("vllm")
         body.append([_arm(r), f"{r['kv_bytes'] / 2**20:,.1f}", f"{r['wall_s']:.0f} s", f"{r['total_tokens_per_s']:.1f}",
-                     f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_cpu_s']:.1f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
+                     f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_cpu_s']:.1f}",
+                     f"{r['cpu_s'] / r['wall_s']:.2f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
                      f"{r['requests_finished']} / {r['batch']}",
                      str(r["peak_blocks_used"]) if vllm else "–",
                      f"{r['running_steps'] / r['steps']:.1f}" if vllm else str(r["batch"]), str(r["max_running"]),
                      str(r["preemptions"]) if vllm else "–", f"{r['tokens_computed']:,}" if vllm else "–"])
-    header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "total tok per CPU s", "× vLLM full", "finished", "peak blocks",
+    header = ["arm", "KV MiB", "wall", "total tok/s", "output tok/s", "total tok per CPU s", "cores used",
+              "× vLLM full", "finished", "peak blocks",
               "running (mean)", "running (max)", "preemptions", "tokens computed"]
     lo, hi = m["prompt_lengths"]
     note = (f"{m['requests']} requests × {m['new_tokens']:,} new tokens (prompts {lo}–{hi} tokens), "
             f"T={m['budget']}, r={m['buffer']}, block size {m['block_size']}: a full-attention request needs up to "
             f"{m['full_blocks_per_request']} blocks, a Random one {m['capped_blocks_per_request']}; both vLLM arms share "
             f"a pool of {m['blocks']} blocks. vLLM {m['vllm']}, torch {m['torch']}, {m['torch_threads']} threads, fp32. "
-            "The HF rows run the first *b* requests as one left-padded batch (KV: the cache's own bytes).")
+            "The HF rows run the first *b* requests as one left-padded batch (KV: the cache's own bytes). "
+            "Cores used: the arm's CPU seconds over its wall time (2 = both cores all the time).")
+    hf = [r for r in rows if "same_tokens_as_vllm_random" in r]
+    if hf:
+        note += (" Requests whose new tokens all equal vLLM + Random's (the same keys): "
+                 + ", ".join(f"{r['same_tokens_as_vllm_random']} of {r['batch']} (HF, batch {r['batch']})" for r in hf)
+                 + ".")
     return markdown(header, body) + ["", note, "", bench_footer(REL, command(m))]

@@ -30,7 +30,7 @@ def _row(arm, batch, wall, **extra):
     row = {"arm": arm, "batch": batch, "wall_s": wall, "requests_finished": batch, "generated_tokens": 100 * batch,
            "prompt_tokens": 10 * batch, "kv_bytes": 2**20, "max_running": batch,
            "total_tokens_per_s": 110 * batch / wall, "output_tokens_per_s": 100 * batch / wall,
-           "total_tokens_per_cpu_s": 55 * batch / wall, **extra}
+           "total_tokens_per_cpu_s": 55 * batch / wall, "cpu_s": 2 * wall, **extra}
     return row
 
 
