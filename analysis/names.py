@@ -149,6 +149,11 @@ def _challenge(c: _Fields) -> str:
     return f"{policy_slug(c['policy'])}-{c.model}-K{c['budget']}-r{c['buffer']}{tags}"
 
 
+def _leaderboard(c: _Fields) -> str:
+    """The leaderboard's run folder: the setting every selector shares (not the selectors: a new one joins it)."""
+    return f"{c.model}-K{c['budget']}-r{c['buffer']}-s{c['seed']}-{c.tag}"
+
+
 _PLANTED = {"rows": _planted, "summary": _planted_summary}
 #: probe -> {part: name function}: every file name a probe composes from its configuration.
 PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
@@ -163,6 +168,7 @@ PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
                                        for part in ("summary", "protection", "table")}},
     "autopsy": {"rows": _autopsy, "summary": _autopsy_summary},
     "challenge": {"folder": _challenge},
+    "leaderboard": {"folder": _leaderboard, "table": lambda c: f"{_leaderboard(c)}/leaderboard.csv"},
 }
 
 
