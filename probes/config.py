@@ -31,21 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .config_errors import ConfigError, flag_of
+
 __all__ = ["ConfigError", "Config", "RunConfig", "EvictionConfig", "eviction", "setting", "SETTINGS", "option", "parse",
            "parser_for", "POSITIVE", "NONNEGATIVE", "FINITE", "PROBABILITY", "SEED", "SEED_LIMIT", "flag_of"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; ``field`` names it (``--field-name`` on the command line)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{flag_of(field_name)}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-def flag_of(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _number(value) -> bool:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import randattn
 
-from .config import ConfigError
+from .config_errors import ConfigError
 
 __all__ = ["resolved", "check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection"]
 
