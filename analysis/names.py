@@ -169,6 +169,9 @@ PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
     "autopsy": {"rows": _autopsy, "summary": _autopsy_summary},
     "challenge": {"folder": _challenge},
     "leaderboard": {"folder": _leaderboard, "table": lambda c: f"{_leaderboard(c)}/leaderboard.csv"},
+    # the leaderboard's own task files, inside its folder (copy and repeat are the accuracy probe's files)
+    **{f"leaderboard_{task}": {"rows": lambda c, task=task: f"{task}.jsonl"}
+       for task in ("question", "passcode", "planted", "cost")},
 }
 
 
@@ -204,6 +207,7 @@ SHIPPED: dict[str, tuple[str, str, dict]] = {
     "autopsy": ("autopsy", "autopsy", {**_EMBEDDED, "task": "copy", "policy": "snapkv", "protect_prompt": True}),
     "challenge": ("challenge", "challenge", {**_EMBEDDED, "policy": "examples/attention_selector.py:recent_attention",
                                              "protect_prompt": True, "quick": True}),
+    "leaderboard": ("leaderboard", "leaderboard", {**_EMBEDDED, "protect_prompt": True}),
 }
 
 

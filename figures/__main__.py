@@ -41,6 +41,9 @@ FIGURES = {
                         "triattention vase --runs 1"),
     "challenge": ("figures.challenge:plot", read_table, shipped_name("challenge", "folder") + "/verdict.csv",
                   "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick"),
+    "leaderboard": ("figures.leaderboard:plot", read_table, shipped_name("leaderboard", "table"),
+                    "python -m probes.leaderboard --runs 3 --tasks copy question passcode cost --instances 8 "
+                    "--cost-repeats 1"),
     "autopsy": ("figures.autopsy:plot", read_rows, shipped_name("autopsy"),
                 "python -m probes.autopsy --task copy --policy random snapkv --max-replays 8"),
     "bench_decode": ("figures.bench:plot_decode", read_json, "bench/decode.json", "python -m bench.decode"),

@@ -21,7 +21,8 @@ from typing import Callable
 from analysis.files import replacing
 from analysis.names import shipped_name
 
-from figures.table_io import bench_footer, ci, f, footer, markdown, read_csv, read_json, read_jsonl, result_path
+from figures.table_io import (bench_footer, ci, f, footer, markdown, provenance, read_csv, read_json, read_jsonl,
+                              result_path)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -209,6 +210,41 @@ def challenge() -> list[str]:
         "", footer(f"{folder}/verdict.csv",
                    "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick",
                    f"{folder}/{sorted(result_path(folder).glob('*.jsonl'))[0].name}")]  # the accuracy part's rows
+
+
+LEADERBOARD_COMMAND = ("python -m probes.leaderboard --runs 3 --tasks copy question passcode cost --instances 8 "
+                       "--cost-repeats 1")
+
+
+def leaderboard() -> list[str]:
+    rel = shipped_name("leaderboard", "table")
+    rows = read_csv(rel)
+    tasks = list(dict.fromkeys(r["test"] for r in rows))
+    out = []
+    for task in tasks:
+        these = sorted((r for r in rows if r["test"] == task), key=lambda r: int(r["rank"]))
+        ref = these[0]
+        lp = any(r.get("lp_delta") for r in these)
+        out.append([task, "", "random (reference)", ref["n"], ci(ref, "random"), "", "", "", "",
+                    f(ref["random_gen_len"], 1) if ref.get("random_gen_len") else "–"]
+                   + ([f"LP {f(ref['random_lp'], 2)}"] if lp else ["–"]))
+        for r in these:
+            out.append([task, r["rank"], r["policy"], r["n"], ci(r, "value"), ci(r, "delta", signed=True),
+                        f"{r['wins']}/{r['losses']}/{r['ties']}", r["verdict"],
+                        "×" + f(r["round_cost_ratio"], 2) if r.get("round_cost_ratio") else "–",
+                        f(r["gen_len"], 1) if r.get("gen_len") else "–",
+                        (ci(r, "lp_delta", 2, signed=True) + ("*" if r["lp_verdict"] in ("better", "worse") else ""))
+                        if r.get("lp_delta") else "–"])
+    body = markdown(["task", "rank", "selector", "n", "score [95% CI]", "difference from Random [95% CI]",
+                     "sign W/L/T", "verdict", "round cost vs Random", "generated length",
+                     "log-prob difference [95% CI]"], out)
+    folder = shipped_name("leaderboard", "folder")
+    sources = [p for p in sorted(result_path(folder).rglob("*.jsonl")) if "work" not in p.relative_to(
+        result_path(folder)).parts]
+    rows_from = "; ".join(f"{p.relative_to(result_path(folder)).as_posix()}: "
+                          f"{provenance(f'{folder}/{p.relative_to(result_path(folder)).as_posix()}')}"
+                          for p in sources)
+    return body + ["", f"*From `data/results/{rel}` (`{LEADERBOARD_COMMAND}`); its rows: {rows_from}.*"]
 
 
 def autopsy() -> list[str]:
@@ -487,7 +523,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
-    "bench_pack": bench_pack, "bench_vllm": bench_vllm,
+    "bench_pack": bench_pack, "leaderboard": leaderboard, "bench_vllm": bench_vllm,
 }
 
 

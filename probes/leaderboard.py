@@ -192,7 +192,8 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     meta = {"root": str(root), "model": model.name, "tasks": {}}
 
     def output(task, key, **extra):
-        o = Output(str(root / f"{task}.jsonl"), _record(config, model.name, task, **extra), key, meta={"task": task})
+        record = _record(config, model.name, task, **extra)
+        o = Output(str(root / result_name(record["probe"], record)), record, key, meta={"task": task})
         outputs.append(o)
         return o
 
