@@ -354,6 +354,10 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
             if pol not in scores:
                 continue
             row = compared(task, metric, unit, pol, scores[pol], scores[REFERENCE], config.seed)
+            common = sorted(set(scores[pol]) & set(scores[REFERENCE]), key=str)  # a fixed order: reruns byte-equal
+            for col, p in (("value", pol), ("random", REFERENCE)):
+                means = per_problem_means({k: scores[p][k] for k in common})
+                row[col] = float(np.mean([means[k] for k in common]))
             est = mean_ci(list(per_problem_means(scores[pol]).values()), seed=config.seed)
             row.update({"value_lo": est.lo, "value_hi": est.hi, "random_lo": ref.lo, "random_hi": ref.hi,
                         "verdict": VERDICTS[row["verdict"]], "budget": budgets[0] if budgets else config.budget,
