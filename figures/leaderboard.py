@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from . import style
 
@@ -55,10 +56,12 @@ def plot(table: list[dict], out_dir=None, name: str = "leaderboard") -> list[Pat
             ax.plot(ratio, ys[p], "s", color=style.PALETTE[0], ms=5)
         ax.axvline(1, color="gray", lw=1, ls="--")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title("round cost\n(ratio to Random, same run)", fontsize=9)
         ax.set_xlabel("× Random")
     axes[0][0].set_yticks(range(len(ranked)), [f"{i + 1}. {p}" for i, p in enumerate(ranked)])
-    axes[0][0].invert_yaxis()
+    axes[0][0].set_ylim(len(ranked) - 0.5, -0.5)  # rank 1 on top
     fig.suptitle("Leaderboard: each selector against protected Random at the same T, r and protection; paired 95% "
                  "bootstrap CIs (filled: significant by both the CI and the exact sign test)", fontsize=10)
     fig.tight_layout()
