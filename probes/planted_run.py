@@ -28,7 +28,7 @@ from randattn.traces import load_traces
 from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, RunConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
-from .units import Kind, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, Output, Plan, Unit, load, make_unit, run_local
 
 PAPER = {"budget": 1024, "buffer": 64, "distance": 1536}
 #: The key of a planted-fact row: which instance, under which condition, which of its facts.
@@ -90,16 +90,6 @@ class Session:
         # Every batch draws its own evictions; rows of one batch differ through their row index.
         return dataclasses.replace(self.spec, seed=self.config.seed * 1_000_003 + batch_index).make_cache(
             keep_log=keep_log)
-
-
-def load(config: RunConfig, loaded=None):
-    """``(model, tokenizer)``: ``loaded`` when given, else the config's model on its device."""
-    if loaded is not None:
-        return loaded
-    try:
-        return randattn.load_model(config.model, device=config.device)
-    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError("model" if "device" not in str(exc).lower() else "device", str(exc)) from None
 
 
 def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: Optional[dict] = None,

@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from tqdm.auto import tqdm
 
 __all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
-           "run_local", "unit_rows", "rows_of_item", "open_files", "write_rows", "run", "command"]
+           "run_local", "unit_rows", "rows_of_item", "open_files", "write_rows", "run", "command", "load"]
 
 
 def stable_id(*parts: Any) -> str:
@@ -324,11 +324,24 @@ def write_rows(output: Output, rows: list[dict]) -> None:
 
 
 # -- a probe's command line -------------------------------------------------------------------------
+def load(config, loaded=None):
+    """``(model, tokenizer)``: ``loaded`` when given, else the config's model on its device (a failure to load is a
+    :class:`~probes.config.ConfigError` naming ``model`` or ``device``)."""
+    if loaded is not None:
+        return loaded
+    import randattn
+
+    from .config_errors import ConfigError
+
+    try:
+        return randattn.load_model(config.model, device=config.device)
+    except (FileNotFoundError, OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError("model" if "device" not in str(exc).lower() else "device", str(exc)) from None
+
+
 def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[str] = None) -> tuple[Plan, dict]:
     """The local backend for one configuration: load the model (unless given), plan, run the pending units;
     ``(plan, {output path: ResultsFile})``."""
-    from .planted_run import load
-
     k = kind(k) if isinstance(k, str) else k
     import randattn
 

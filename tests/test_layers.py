@@ -50,7 +50,8 @@ def _graph() -> dict:
                     mod = ".".join(base + ([node.module] if node.module else []))
                 else:
                     mod = node.module or ""
-                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+                # `from pkg import sub` depends on the submodule sub; `from mod import name` on mod
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod for a in node.names]
             else:
                 continue
             for t in targets:
