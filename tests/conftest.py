@@ -5,8 +5,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The README runs the suite on two pytest-xdist workers (`-n 2`); each gets one torch thread, since two workers of two
+# threads each on 2 cores slow each other (subprocesses the tests start inherit it).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from randattn.testing import tiny_model
 
