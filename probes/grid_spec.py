@@ -245,7 +245,7 @@ def check_model(name: str, key: str = "models") -> ModelInfo:
         generation = GenerationConfig.from_pretrained(source)
     except Exception:  # no generation_config.json: the model's defaults (greedy)
         generation = None
-    return ModelInfo(name, tok, config, embedded=embedded, generation_config=generation)
+    return ModelInfo(name, tok, config, ref=randattn.ModelRef.of(name), generation_config=generation)
 
 
 def plans(spec: Spec) -> list:

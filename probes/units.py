@@ -215,21 +215,31 @@ def kind(name: str) -> Kind:
 
 # -- what the driver knows about a model -------------------------------------------------------------
 class ModelInfo:
-    """A model as a plan sees it: its name, tokenizer, HF config, which embedded model it is (if one), its
-    generation config, and the loaded model when the planner has it (a local run). Policies bind to it
-    (:meth:`randattn.Policy.bind` reads ``config`` and ``_randattn_embedded``), so a grid's driver refuses a policy
-    that cannot serve a model without loading any weights."""
+    """A model as a plan sees it: its name, tokenizer, HF config, which model it is (``ref``, a
+    :class:`randattn.ModelRef`: embedded or not), its generation config, and the loaded model when the planner has it
+    (a local run). Policies bind to it (:meth:`randattn.Policy.bind` reads its ``config`` and, through
+    :meth:`randattn.ModelRef.of_model`, its ``ref``), so a grid's driver refuses a policy that cannot serve a model
+    without loading any weights. ``ref`` defaults to ``randattn.ModelRef.of(name)``."""
 
-    def __init__(self, name: str, tokenizer, config, *, embedded: Optional[str] = None, generation_config=None,
-                 model=None):
+    def __init__(self, name: str, tokenizer, config, *, ref=None, generation_config=None, model=None):
+        from randattn import ModelRef
+
         self.name, self.tokenizer, self.config = name, tokenizer, config
-        self._randattn_embedded = embedded
+        (ref if ref is not None else ModelRef.of(name)).attach(self)
         self.generation_config = generation_config
         self.model = model
 
     @property
+    def ref(self):
+        """Which model this is (a :class:`randattn.ModelRef`)."""
+        from randattn import ModelRef
+
+        return ModelRef.of_model(self)
+
+    @property
     def embedded(self) -> Optional[str]:
-        return self._randattn_embedded
+        """The embedded model's key, or None."""
+        return self.ref.embedded
 
     @property
     def bind_target(self):
@@ -245,7 +255,9 @@ class ModelInfo:
 
     @classmethod
     def loaded(cls, name: str, model, tokenizer) -> "ModelInfo":
-        return cls(name, tokenizer, model.config, embedded=getattr(model, "_randattn_embedded", None),
+        from randattn import ModelRef
+
+        return cls(name, tokenizer, model.config, ref=ModelRef.of_model(model),
                    generation_config=getattr(model, "generation_config", None), model=model)
 
 

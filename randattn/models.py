@@ -77,13 +77,22 @@ class ModelRef:
 
     @classmethod
     def of_model(cls, model) -> "ModelRef":
-        """The reference :func:`load_model` gave ``model``; for a model loaded another way, its ``name_or_path``."""
+        """The reference :func:`load_model` (or :meth:`attach`) gave ``model``; for a model loaded another way, its
+        ``name_or_path``, not embedded."""
         ref = model.__dict__.get("_randattn_ref") if hasattr(model, "__dict__") else None
         if ref is not None:
             return ref
         config = getattr(model, "config", None)
         name = getattr(config, "_name_or_path", None) or type(model).__name__
         return cls(str(name), None, getattr(config, "_commit_hash", None), None)
+
+    def attach(self, model):
+        """Mark ``model`` as this model, so that :meth:`of_model` returns this reference (what policies with shipped
+        per-model calibration bind by, :meth:`randattn.Policy.bind`): :func:`load_model` does it for the models it
+        loads; a planner's weightless view of a model, binding policies without the weights, does it too. Returns
+        ``model``."""
+        model._randattn_ref = self
+        return model
 
 # Layer kinds without per-head KV pairs to evict (state-space / linear attention / MLP-only).
 _NON_KV_LAYER_TYPES = {"linear_attention", "mamba", "conv", "hybrid", "hybrid_sliding", "moe", "mlp", "dummy"}
@@ -349,12 +358,12 @@ def load_model(
             raise OSError(_load_failure("tokenizer", tokenizer or name, exc, tok_local)) from exc
     model.to(dev).eval()
     check_model(model)
-    # Which embedded model this is, for policies with shipped per-model calibration (Policy.bind).
-    model._randattn_embedded = key if key in _EMBEDDED else None
+    # Which model this is (ModelRef.of_model(model): pass it on explicitly), also for policies with shipped
+    # per-model calibration (Policy.bind reads its ``embedded``).
     ref = ModelRef.of(name)
     if ref.embedded is None and ref.revision is None:
         ref = dataclasses.replace(ref, revision=getattr(model.config, "_commit_hash", None))
-    model._randattn_ref = ref  # ModelRef.of_model(model): pass it on explicitly
+    ref.attach(model)
     install_guards(model)
     return model, tokenizer
 

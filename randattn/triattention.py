@@ -377,11 +377,14 @@ class TriAttentionPolicy(Policy):
 
     def bind(self, model) -> "TriAttentionPolicy":
         """Check the statistics against ``model``'s shapes; without statistics, take the shipped ones of a model
-        randattn loaded from its embedded files, else refuse it with the calibration command."""
+        randattn loaded from its embedded files (``ModelRef.of_model(model).embedded``), else refuse it with the
+        calibration command."""
         if self._bound is model:
             return self
         if self._stats is None:
-            name = getattr(model, "_randattn_embedded", None)
+            from .models import ModelRef
+
+            name = ModelRef.of_model(model).embedded
             if name not in shipped_stats():
                 shipped = ", ".join(f'"{n}"' for n in shipped_stats()) or "none"
                 raise ValueError(

@@ -401,9 +401,11 @@ def test_without_stats_it_binds_to_the_shipped_ones_or_refuses_the_model_before_
     with pytest.raises(ValueError, match="needs TriAttention statistics"):  # the cache binds at its first forward
         randattn.replay(tiny("llama"), random_ids(1, 40), cache, prompt_len=4)
     assert cache.get_seq_length() == 0
-    # a model randattn loaded from its embedded files gets the shipped statistics (a weightless stand-in here)
-    smollm = SimpleNamespace(config=LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                                hidden_size=576), _randattn_embedded="smollm2-135m")
+    # a model randattn loaded from its embedded files (its ModelRef says so) gets the shipped statistics (a weightless
+    # stand-in here, marked the way load_model marks the models it loads)
+    smollm = randattn.ModelRef.of("smollm2-135m").attach(SimpleNamespace(config=LlamaConfig(
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)))
+    assert randattn.ModelRef.of_model(smollm).embedded == "smollm2-135m"
     bound = randattn.make_policy("triattention").bind(smollm)
     assert bound.stats == "smollm2-135m" and bound._stats.num_layers == 30
     assert randattn.make_policy("triattention").calibration == "stats" and not bound.uses_seed
