@@ -196,7 +196,7 @@ def parse_args(argv):
         p.error(f"--hf-batches {args.hf_batches}: each must be between 1 and --requests ({args.requests})")
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: no HF model folder there; make the embedded model's with the main env's "
-                "`python -c \"import randattn.models as m; m._converted_embedded(m.DEFAULT_MODEL)\"`")
+                "`python -c \"import randattn.models as m; m.converted_embedded(m.DEFAULT_MODEL)\"`")
     return args
 
 

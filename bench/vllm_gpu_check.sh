@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 # The embedded model's converted HF folder (~/.cache/randattn/smollm2-135m).
-MODEL=$("$VENV/bin/python" -c "import randattn.models as m; print(m._converted_embedded(m.DEFAULT_MODEL))")
+MODEL=$("$VENV/bin/python" -c "import randattn.models as m; print(m.converted_embedded(m.DEFAULT_MODEL))")
 # 1. The refusal on CUDA names the platform and the missing backend.
 "$VENV/bin/python" - "$MODEL" <<'EOF'
 import sys

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         print(f"vllm_smoke: no converted model at {model}; run the main env's "
               "`python -c \"import randattn.models as m; "
-              "m._converted_embedded(m.DEFAULT_MODEL)\"` first", file=sys.stderr)
+              "m.converted_embedded(m.DEFAULT_MODEL)\"` first", file=sys.stderr)
         return 2
     if args.prompts < 1 or args.max_tokens < 1:
         print("vllm_smoke: --prompts and --max-tokens must be >= 1", file=sys.stderr)

@@ -117,8 +117,8 @@ def cache_problem(model: Optional[str]) -> Optional[str]:
     if name is None:
         return None
     var = "RANDATTN_CACHE" if os.environ.get("RANDATTN_CACHE") else "HOME"
-    root = models._cache_root()
-    if (root / name / models._MARKER).is_file():
+    root = models.cache_root()
+    if models.is_converted(name):
         return None  # converted before: read only
     fix = (f"set RANDATTN_CACHE to a folder you can write (the embedded model {name} is converted there once, "
            "about 0.5 GB)")

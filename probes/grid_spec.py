@@ -221,13 +221,13 @@ def check_model(name: str, key: str = "models") -> ModelInfo:
     model. Anything unloadable is a :class:`SpecError` naming ``key``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from randattn.models import _converted_embedded, _looks_like_path, embedded_name
+    from randattn.models import converted_embedded, embedded_name, looks_like_path
 
     fix = (f"give a local directory with config.json, tokenizer and weights, a hub id this machine can reach, or "
            f"'{randattn.DEFAULT_MODEL}' (the embedded model)")
     embedded = embedded_name(name)
     path = Path(name).expanduser()
-    if embedded is None and (path.exists() or _looks_like_path(name)):
+    if embedded is None and (path.exists() or looks_like_path(name)):
         if not path.is_dir():
             raise SpecError(f"{key}: {name!r} is not a directory; {fix}")
         if not (path / "config.json").exists():
@@ -235,7 +235,7 @@ def check_model(name: str, key: str = "models") -> ModelInfo:
         if not any(path.glob(p) for p in ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt")):
             raise SpecError(f"{key}: {name!r} has no weights (*.safetensors or *.bin); {fix}")
     try:
-        source = _converted_embedded(embedded) if embedded else name
+        source = converted_embedded(embedded) if embedded else name
         config = AutoConfig.from_pretrained(source)
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # missing, gated, offline, not a causal LM: all mean "cannot plan with this model"

@@ -31,6 +31,10 @@ __all__ = [
     "UnsupportedModelError",
     "ModelRef",
     "embedded_name",
+    "converted_embedded",
+    "is_converted",
+    "cache_root",
+    "looks_like_path",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -152,7 +156,8 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """The folder the embedded model is converted into: ``$RANDATTN_CACHE``, else ``~/.cache/randattn``."""
     return Path(os.environ.get("RANDATTN_CACHE", Path.home() / ".cache" / "randattn"))
 
 
@@ -249,13 +254,21 @@ def _converted_problem(target: Path, sha: str) -> Optional[str]:
     return None
 
 
-def _converted_embedded(name: str) -> Path:
-    """Convert the GGUF once into a safetensors checkpoint under the randattn cache; later loads are fast.
+def is_converted(name: str) -> bool:
+    """Whether the embedded model ``name`` (its key, :func:`embedded_name`) was converted into :func:`cache_root`
+    before (its folder holds randattn's marker; :func:`converted_embedded` still checks it in full before use).
+    Reads only."""
+    return (cache_root() / name / _MARKER).is_file()
+
+
+def converted_embedded(name: str) -> Path:
+    """The folder of the embedded model ``name`` (its key, :func:`embedded_name`) as a safetensors checkpoint, which
+    ``from_pretrained`` loads: the GGUF is converted once into :func:`cache_root`; later loads are fast.
 
     The cached checkpoint is checked before it is used (see :func:`_converted_problem`) and rebuilt when the check
     fails; a folder at that place without randattn's marker is refused untouched."""
     _, _, fname, sha = _EMBEDDED[name]
-    target = _cache_root() / name
+    target = cache_root() / name
     if target.exists():
         if not (target / _MARKER).is_file() and not _only_conversion_files(target):
             raise FileExistsError(
@@ -337,7 +350,7 @@ def load_model(
     name = name_or_path or DEFAULT_MODEL
     key = embedded_name(name) or str(name).lower()
     local = key in _EMBEDDED or _local_model_dir(str(name))
-    source = _converted_embedded(key) if key in _EMBEDDED else name
+    source = converted_embedded(key) if key in _EMBEDDED else name
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -400,7 +413,7 @@ def _local_model_dir(name: str, what: str = "model") -> bool:
     if path.exists():
         hint = " (GGUF files are read only for the embedded default)" if path.suffix == ".gguf" else ""
         raise FileNotFoundError(f"{what} {name!r} is a file, not a directory{hint}; {fix}")
-    if _looks_like_path(name):
+    if looks_like_path(name):
         looked = "" if str(path.resolve()) == name else f" (looked at {path.resolve()})"
         raise FileNotFoundError(f"{what} directory {name!r} does not exist; {fix}{looked}")
     return False
@@ -423,8 +436,9 @@ def _load_failure(what: str, name, exc: BaseException, local: bool) -> str:
             f"fetched (no network, a misspelt id, or a gated or private repository: {type(exc).__name__}: {exc}); {fix}")
 
 
-def _looks_like_path(name: str) -> bool:
-    # Hub ids are "org/name"; anything absolute, relative-looking or deeper is a filesystem path.
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` is meant as a filesystem path rather than a hub id (``"org/name"``): absolute, starting with
+    ``./``, ``../`` or ``~``, or deeper than one ``/``."""
     return os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") >= 2
 
 

@@ -69,7 +69,7 @@ def test_both_engines_mask_eos_the_same_way():
 def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):
     import randattn.models as models
 
-    model = str(models._converted_embedded(models.DEFAULT_MODEL))
+    model = str(models.converted_embedded(models.DEFAULT_MODEL))
     out = tmp_path / "vllm.json"
     proc = subprocess.run([str(VENV_PYTHON), "-m", "bench.vllm", "--requests", "2", "--new-tokens", "64", "--budget",
                            "104", "--buffer", "8", "--hf-batches", "2", "--threads", "1", "--model", model, "--out",

@@ -79,6 +79,6 @@ def test_corrupt_gguf_is_detected(monkeypatch, tmp_path):
 
 def test_the_converted_cache_in_use_passes_its_checks(embedded):
     # load_model trusted it only after these checks; a cache converted before manifests is checked by its files
-    target = models._cache_root() / models.DEFAULT_MODEL
+    target = models.cache_root() / models.DEFAULT_MODEL
     assert models._converted_problem(target, models._EMBEDDED[models.DEFAULT_MODEL][3]) is None
     assert embedded[0].__dict__["generate"].__func__ is models._guarded_generate

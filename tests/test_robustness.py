@@ -345,7 +345,7 @@ def test_cuda_without_a_gpu_names_the_fix(monkeypatch, device):
     with pytest.raises(ValueError, match="asked for CUDA, but this machine has no usable GPU.*--device cpu or "
                                          "--device auto"):
         randattn.resolve_device(device)
-    monkeypatch.setattr(models, "_converted_embedded", lambda name: pytest.fail("loaded before checking the device"))
+    monkeypatch.setattr(models, "converted_embedded", lambda name: pytest.fail("loaded before checking the device"))
     with pytest.raises(ValueError, match="no usable GPU"):
         randattn.load_model(device=device)
 
@@ -441,7 +441,7 @@ def converted(tmp_path, monkeypatch):
 def test_a_sound_converted_cache_is_used_as_is(converted, manifest):
     target, builds = converted
     _fake_checkpoint(target, manifest=manifest)
-    assert models._converted_embedded("smollm2-135m") == target and builds == []
+    assert models.converted_embedded("smollm2-135m") == target and builds == []
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -458,7 +458,7 @@ def test_a_damaged_converted_cache_is_rebuilt_not_trusted(converted, damage, rea
     _fake_checkpoint(target)
     damage(target)
     with pytest.warns(UserWarning, match=f"converted smollm2-135m in .* is damaged \\(.*({reason})"):
-        assert models._converted_embedded("smollm2-135m") == target
+        assert models.converted_embedded("smollm2-135m") == target
     assert builds == [target] and models._converted_problem(target, SHA) is None
 
 
@@ -468,7 +468,7 @@ def test_a_legacy_cache_with_a_truncated_weights_file_is_rebuilt(converted):
     weights = target / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4])
     with pytest.warns(UserWarning, match="model.safetensors is truncated or padded"):
-        models._converted_embedded("smollm2-135m")
+        models.converted_embedded("smollm2-135m")
     assert builds == [target]
 
 
@@ -477,5 +477,5 @@ def test_a_foreign_folder_in_place_of_the_converted_cache_is_refused_untouched(c
     target.mkdir()
     (target / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="was not made by randattn \\(no SOURCE_SHA256 marker\\).*RANDATTN_CACHE"):
-        models._converted_embedded("smollm2-135m")
+        models.converted_embedded("smollm2-135m")
     assert builds == [] and [p.name for p in target.iterdir()] == ["notes.txt"]

@@ -140,7 +140,7 @@ def embedded():
 
     import randattn.models as models
 
-    folder = models._converted_embedded(models.DEFAULT_MODEL)
+    folder = models.converted_embedded(models.DEFAULT_MODEL)
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = []
     for text in _TEXTS:

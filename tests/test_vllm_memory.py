@@ -34,7 +34,7 @@ def vllm_env() -> dict:
 def model_dir() -> str:
     import randattn.models as models
 
-    return str(models._converted_embedded(models.DEFAULT_MODEL))
+    return str(models.converted_embedded(models.DEFAULT_MODEL))
 
 
 @pytest.fixture(scope="module")
