@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 import numpy as np
@@ -102,6 +101,26 @@ class RequestState:
             cap = max_held_pairs(self.prompt_len, self.cfg)
             st = self.layers[idx] = _Layer(positions=torch.full((heads, cap), -1, dtype=torch.long, device=device))
         return st
+
+
+@dataclass
+class _RoundLayer:
+    """One request's layer at a round, as the cache's own ``view`` / ``_select_view`` read it: the attributes of an
+    :class:`randattn.cache.EvictingLayer` they use, over the ``n`` slots the request's blocks hold (one row)."""
+
+    layer_idx: int
+    keys: torch.Tensor  # [1, H_kv, n, D]
+    values: torch.Tensor  # [1, H_kv, n, D]
+    positions: torch.Tensor  # [1, H_kv, n] absolute positions
+    rounds: int  # rounds applied to this layer so far
+    seq_len: int  # tokens seen, this step's included
+    physical_length: int  # n
+    recent_queries: Optional[torch.Tensor]  # [1, H_q, <=w, D]
+    recent_query_positions: Optional[torch.Tensor]  # [<=w]
+    scaling: float
+    held: None = None  # one unpadded row: no per-row pair counts
+    row_rounds: list = field(default_factory=list)
+    attention: None = None  # no accumulated attention (policies needing it are refused, policy_problem)
 
 
 @dataclass
@@ -208,13 +227,12 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     n = row.slot_start + row.q
     keys, values = read(row.blocks, n)
     positions = lay.positions[:, :n]
-    # The cache's own view/selection read these attributes of a layer (see EvictingCache.view).
-    fake = SimpleNamespace(
+    layer = _RoundLayer(
         layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], rounds=lay.rounds,
-        seq_len=row.abs_start + row.q, held=None, row_rounds=[], recent_queries=lay.queries,
-        recent_query_positions=lay.query_positions, scaling=float(scale), attention=None, physical_length=n)
-    view = cache.view(fake, rows=[0])
-    kept = cache._select_view(fake, view, [0])[0]  # [H_kv, T], sorted slot indices
+        seq_len=row.abs_start + row.q, physical_length=n, recent_queries=lay.queries,
+        recent_query_positions=lay.query_positions, scaling=float(scale))
+    view = cache.view(layer, rows=[0])
+    kept = cache._select_view(layer, view, [0])[0]  # [H_kv, T], sorted slot indices
     idx = kept[..., None].expand(-1, -1, keys.shape[-1])
     write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
     new_positions = torch.gather(positions, 1, kept)
