@@ -368,7 +368,9 @@ def eviction(**defaults):
             d = given if isinstance(given, _Default) else _Default(given, False, {})
             s = SETTINGS[name]
             tp = s.type
-            if d.several or isinstance(d.value, tuple) and tp is not tuple[str, ...]:
+            # a list-valued default (or ``several``) makes a one-value setting a tuple of them; ``policies`` is one
+            # already (``tuple[str, ...] is tuple[str, ...]`` is False: each spelling is a new alias, so never ``is``)
+            if (d.several or isinstance(d.value, tuple)) and not _is_sequence(tp):
                 tp = tuple[tp, ...]
             if d.value is None and not _optional(tp):
                 tp = Optional[tp]
