@@ -13,19 +13,26 @@ whole batch) and the share of decode time spent in rounds, from the cache's own 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
-from bench.common import add_stats_flag, bench_parser, meta, positive_int, prepare, run_arms, write_results
+from bench.common import BenchConfig, meta, prepare, run_arms, write_results
+from probes.config import POSITIVE, eviction, option, setting
 
-POLICIES = ["random", "snapkv", "rkv", "triattention"]
+POLICIES = ("random", "snapkv", "rkv", "triattention")
+
+
+@dataclass
+@eviction(policies=setting(POLICIES, help="evicting policies run beside full attention"), stats=None)
+class Config(BenchConfig):
+    """Batch amplification: decode throughput vs batch size per cache, and the share of time in eviction rounds."""
+
+    batches: tuple[int, ...] = option((1, 2, 4, 8, 16, 32, 64), "batch sizes, each timed with every arm",
+                                      check=POSITIVE)
+    no_full: bool = option(False, "skip full attention (the slowest arm at large batches)")
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--policies", nargs="+", default=POLICIES, help="evicting policies run beside full attention")
-    p.add_argument("--no-full", action="store_true", help="skip full attention (the slowest arm at large batches)")
-    add_stats_flag(p)
-    args, options, model, prompt = prepare(p, argv)
+    _, args, options, model, prompt = prepare(Config, argv, __doc__.splitlines()[0])
     arms = ([] if args.no_full else [None]) + list(args.policies)
 
     rows = []

@@ -1,4 +1,5 @@
-"""What every benchmark shares: flags, the prompt, one timed generation, KV byte accounting, result files."""
+"""What every benchmark shares: its configuration (read by the probes' one layered parser), the prompt, one timed
+generation, KV byte accounting, result files."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ import json
 import platform
 import subprocess
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import randattn
 from randattn.rules import prompt_fits_problem
-from probes.common import base_parser, positive_int  # noqa: F401  (re-exported for the scripts)
-from probes.config import SETTINGS, ConfigError
-from probes.policy_specs import bind_policies, calibration_options, check_policy
+from probes.common import result_file
+from probes.config import POSITIVE, ConfigError, EvictionConfig, build, eviction, option, parse_values, parser_for
+from probes.policy_specs import bind_policies, calibration_options
 
 # The checkout bench/ sits in (for `git rev-parse` and the default trace / result paths); with a
 # non-editable install it is site-packages, where there is no git and no data/ (see README).
@@ -25,28 +28,51 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Solve step by step: a train travels 180 km in 2.5 hours, then 120 km in 1.5 hours. What is its average speed?"
 
 
-def bench_parser(doc: str, *, new_tokens: int = 4096, budget: int = 1024, buffer: int = 64) -> argparse.ArgumentParser:
-    """The probes' common flags plus the ones every benchmark takes; defaults are the paper's geometry."""
-    p = base_parser(doc)
-    p.add_argument("--new-tokens", type=positive_int, default=new_tokens, help="tokens generated per sequence")
-    # the probes' one definition of each eviction setting (probes.config.SETTINGS): the same words everywhere
-    p.add_argument("--budget", type=positive_int, default=budget, help=SETTINGS["budget"].help)
-    p.add_argument("--buffer", type=positive_int, default=buffer, help=SETTINGS["buffer"].help)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
-    return p
+def _result_file(value) -> Optional[str]:
+    """The check of a benchmark's ``--out`` (:func:`probes.common.result_file`): a JSON result file the command
+    (re)writes whole; None when it may."""
+    try:
+        result_file(value)
+    except argparse.ArgumentTypeError as exc:
+        return str(exc)
+    return None
 
 
-def add_stats_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stats", default=None, metavar="FILE", help=SETTINGS["stats"].help)
+def hidden(default):
+    """A probe setting that means nothing to a benchmark: kept off its command line and its ``--config`` file."""
+    return option(default, "not a benchmark setting", cli=False)
 
 
-def check_policies(p: argparse.ArgumentParser, flag: str, names) -> None:
-    """Every name is a policy, a paper mode or a loadable ``MODULE:CALLABLE`` selector; else a usage error."""
-    for name in names:
-        try:
-            check_policy(flag.lstrip("-"), name)
-        except ConfigError as exc:
-            p.error(f"{flag}: {exc.message}")
+def result_path(default: Optional[str] = None, where: str = "under data/results/bench/"):
+    """A benchmark's ``--out``: the JSON result file it (re)writes whole, refused when randattn did not write it."""
+    where = "" if default else f"; default: {where}"
+    return option(default, f"the result file (JSON{where}); an existing file is only replaced when randattn wrote it",
+                  check=_result_file, metavar="FILE")
+
+
+@dataclass
+@eviction(budget=1024, buffer=64)
+class BenchConfig(EvictionConfig):
+    """The settings every generation benchmark takes: the probes' run flags (``--model``, ``--device``, ``--seed``),
+    the eviction settings from their one definition (:data:`probes.config.SETTINGS`; defaults: the paper's geometry,
+    T=1,024, r=64), the generation length, torch's threads and the result file. A benchmark's ``Config`` adds its
+    own fields and names its policies (and ``--stats``) with ``@eviction``, as a probe's does; :func:`parse` reads
+    it from the command line: defaults, then ``--config FILE.toml``, then the flags."""
+
+    out: Optional[str] = result_path()
+    restart: bool = hidden(False)
+    no_figure: bool = hidden(True)
+    figure_dir: Optional[str] = hidden(None)
+    new_tokens: int = option(4096, "tokens generated per sequence", check=POSITIVE)
+    threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)", check=POSITIVE)
+
+
+def parse(cls, argv=None, doc: str = ""):
+    """``(parser, config)``: ``argv`` read into the benchmark's ``cls`` by the probes' one layered parser
+    (:func:`probes.config.parse_values`: the fields' defaults, then a ``--config`` TOML file, then the flags, which
+    win); a bad value is a usage error naming its flag. The parser stays for the refusals that need the model."""
+    parser = parser_for(cls, (doc or cls.__doc__ or "").strip().splitlines()[0])
+    return parser, build(cls, parser, parse_values(cls, parser, argv))
 
 
 def policy_options(p: argparse.ArgumentParser, args, policies, model=None) -> dict:
@@ -95,16 +121,15 @@ def warm_up(model, prompt) -> None:
                    **{randattn.cache_argument_name(model): DynamicCache()})
 
 
-def prepare(p: argparse.ArgumentParser, argv):
-    """What every generation benchmark does first: parse, check ``--policies`` (and TriAttention's
-    statistics) before loading anything, load the model and prompt, check that rounds will run.
-    Returns ``(args, options, model, prompt)``."""
-    args = p.parse_args(argv)
-    check_policies(p, "--policies", args.policies)
+def prepare(cls, argv, doc: str = ""):
+    """What every generation benchmark does first: parse ``argv`` into ``cls`` (:func:`parse`; its policies and
+    statistics are checked there, before anything loads), load the model and prompt, bind every policy to the
+    model, check that rounds will run. Returns ``(parser, args, options, model, prompt)``."""
+    p, args = parse(cls, argv, doc)
     model, _, prompt = setup(args, p)
     options = policy_options(p, args, args.policies, model)
     check_rounds_run(p, args, prompt.shape[1])
-    return args, options, model, prompt
+    return p, args, options, model, prompt
 
 
 def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:

@@ -16,21 +16,26 @@ the share of decode time in rounds.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
-from bench.common import (WINDOW, add_stats_flag, bench_parser, medians, meta, positive_int, prepare, run_arms,
-                          write_results)
+from bench.common import WINDOW, BenchConfig, medians, meta, prepare, run_arms, write_results
+from probes.config import POSITIVE, eviction, option, setting
+
+
+@dataclass
+@eviction(policies=setting(("random",), help="evicting policies compared with the full cache"), stats=None)
+class Config(BenchConfig):
+    """Decode throughput and KV memory: full cache, HF's sliding window and evicting policies, side by side."""
+
+    batches: tuple[int, ...] = option((1, 8), "batch sizes, each timed with every arm", check=POSITIVE)
+    no_full: bool = option(False, "leave out full attention (its batch-8 run at the paper's length alone takes 30 min "
+                                  "on 2 cores)")
+    no_window: bool = option(False, "leave out the sliding-window floor")
+    repeats: int = option(1, "runs of every arm, the order alternating", check=POSITIVE)
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8])
-    p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies compared with the full cache")
-    p.add_argument("--no-full", action="store_true",
-                   help="leave out full attention (its batch-8 run at the paper's length alone takes 30 min on 2 cores)")
-    p.add_argument("--no-window", action="store_true", help="leave out the sliding-window floor")
-    p.add_argument("--repeats", type=positive_int, default=1, help="runs of every arm, the order alternating")
-    add_stats_flag(p)
-    args, options, model, prompt = prepare(p, argv)
+    _, args, options, model, prompt = prepare(Config, argv, __doc__.splitlines()[0])
 
     arms = [*([] if args.no_full else [None]), *([] if args.no_window else [WINDOW]), *args.policies]
     rows = []

@@ -15,8 +15,21 @@ KV, total tokens/s and the multiple over full attention.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
-from bench.common import add_stats_flag, bench_parser, kv_bytes_per_position, meta, positive_int, prepare, run_arms, write_results
+from bench.common import BenchConfig, kv_bytes_per_position, meta, prepare, run_arms, write_results
+from probes.config import POSITIVE, eviction, option, setting
+
+
+@dataclass
+@eviction(policies=setting(("random",), help="evicting policies compared with full attention"), stats=None)
+class Config(BenchConfig):
+    """Equal KV memory: the largest batch each cache fits in one KV budget, and the total tokens/s it reaches."""
+
+    base_batch: int = option(8, "the default KV budget is full attention's KV bytes at this batch", check=POSITIVE)
+    kv_memory: Optional[int] = option(None, "KV budget in bytes (default: full attention's need at --base-batch)",
+                                      check=POSITIVE)
 
 
 def per_sequence_bytes(model, *, policy, prompt_len: int, new_tokens: int, budget: int, buffer: int) -> int:
@@ -26,14 +39,7 @@ def per_sequence_bytes(model, *, policy, prompt_len: int, new_tokens: int, budge
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--base-batch", type=positive_int, default=8,
-                   help="the default KV budget is full attention's KV bytes at this batch")
-    p.add_argument("--kv-memory", type=positive_int, default=None,
-                   help="KV budget in bytes (default: full attention's need at --base-batch)")
-    p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies compared with full attention")
-    add_stats_flag(p)
-    args, options, model, prompt = prepare(p, argv)
+    p, args, options, model, prompt = prepare(Config, argv, __doc__.splitlines()[0])
 
     geometry = dict(prompt_len=prompt.shape[1], new_tokens=args.new_tokens, budget=args.budget, buffer=args.buffer)
     need = {pol: per_sequence_bytes(model, policy=pol, **geometry) for pol in [None, *args.policies]}

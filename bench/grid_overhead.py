@@ -13,7 +13,6 @@ batch. Timings need a quiet machine: nothing else running.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -21,29 +20,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bench.common import REPO_ROOT, provenance, write_results
-from probes.common import result_file
+from bench.common import REPO_ROOT, parse, provenance, result_path, write_results
+from probes.config import Config as BaseConfig, option
 
 # arm -> extra flags of probes.grid; "local" uses torch's thread default (2 here), "ray" one 1-thread worker per CPU.
 ARMS = {"local": [], "local1": ["--cpus-per-worker", "1"], "ray": ["--backend", "ray"]}
 ARM_NAMES = {"local": "local", "local1": "local --cpus-per-worker 1", "ray": "ray (local instance)"}
 
 
+def _spec_file(path) -> "str | None":
+    if not Path(path).is_file():
+        return (f"{path} is not a file (examples/ ships with the repository, not the wheel: run from a checkout or "
+                "name your own spec)")
+    return None
+
+
+@dataclass
+class Config(BaseConfig):
+    """What the grid runner costs: one small grid run to the end by each backend (no eviction settings of its own:
+    they are the spec's)."""
+
+    spec: str = option(str(REPO_ROOT / "examples" / "grid_copy.toml"), "grid spec (TOML) every arm runs; default: the "
+                       "repository's examples/grid_copy.toml", check=_spec_file, metavar="SPEC")
+    arms: tuple[str, ...] = option(tuple(ARMS), "backends, run in this order", choices=tuple(ARMS))
+    out: str = result_path("data/results/bench/grid_overhead.json")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spec", default=str(REPO_ROOT / "examples" / "grid_copy.toml"),
-                   help="grid spec (TOML) every arm runs; default: the repository's examples/grid_copy.toml")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="backends, run in this order")
-    p.add_argument("--out", type=result_file, default="data/results/bench/grid_overhead.json",
-                   help="result file (JSON); an existing file is only replaced when randattn wrote it")
-    args = p.parse_args(argv)
-    if not Path(args.spec).is_file():
-        p.error(f"--spec: {args.spec} is not a file (examples/ ships with the repository, not the wheel: run from a "
-                "checkout or name your own spec)")
-    return args
+    return parse(Config, argv, __doc__.splitlines()[0])[1]
 
 
 def read_items(grid_dir: Path) -> list[dict]:
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
             print(json.dumps(summary), flush=True)
     spec = Path(args.spec).resolve()
     meta = {**provenance(), "spec": str(spec.relative_to(REPO_ROOT)) if spec.is_relative_to(REPO_ROOT) else str(spec),
-            "cpus": os.cpu_count(), "arms": args.arms}
+            "cpus": os.cpu_count(), "arms": list(args.arms)}
     out = write_results(args.out, meta, summaries)
     print(f"\n{'backend':>28} {'wall s':>7} {'items/s':>8} {'to 1st batch s':>14} {'batch s':>8} {'same rows':>9}")
     for s in summaries:

@@ -28,7 +28,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -36,43 +38,52 @@ import randattn
 from randattn.models import embedded_gguf_path
 from bench import _kvpress_worker as worker
 from bench._kvpress_env import DEFAULT_VENV, PeerEnvError, check_peer_python, ensure_venv
-from bench.common import REPO_ROOT, bench_parser, check_rounds_run, meta, positive_int, run_one, setup
+from bench.common import REPO_ROOT, BenchConfig, check_rounds_run, meta, parse, run_one, setup
+from probes.config import NONNEGATIVE, POSITIVE, ConfigError, eviction, option, setting
 
 POLICIES = tuple(worker.PRESSES)  # random, streamingllm, snapkv: the names both sides have
 WORKER = Path(worker.__file__)
 
 
+@dataclass
+@eviction(policies=setting(POLICIES, choices=POLICIES, help="policies timed on both sides (kvpress: DecodingPress "
+                                                            "around the same-named press)"))
+class Config(BenchConfig):
+    """NVIDIA kvpress's decode-time compression vs this toolkit's eviction, side by side in one run."""
+
+    batches: tuple[int, ...] = option((1, 8), "batch sizes, each timed on both sides", check=POSITIVE)
+    repeats: int = option(1, "runs of every arm per batch, the sides alternating which goes first; tables show medians",
+                          check=POSITIVE)
+    no_full: bool = option(False, "skip full attention on both sides (its arm is the slowest at long lengths); no "
+                                  "x-full ratios")
+    peer_python: Optional[str] = option(None, "python of an existing environment with kvpress; unset: create or reuse "
+                                              "--venv")
+    venv: str = option(str(DEFAULT_VENV), "where the peer environment is created on first use")
+    skip_peer: bool = option(False, "time our side only; no kvpress environment needed")
+    check_tokens: Optional[int] = option(None, "tokens of the untimed batch-1 positions/order check per policy; unset: "
+                                               "K + 8r; 0 skips it", check=NONNEGATIVE)
+    snapkv_window: Optional[int] = option(None, "SnapKV observation window on both sides; unset: min(32, r // 2) "
+                                                "(kvpress needs it below r)", check=POSITIVE)
+    snapkv_kernel: int = option(5, "SnapKV pooling kernel on both sides", check=POSITIVE)
+
+    def check(self) -> None:
+        super().check()
+        # the unset ones from T and r, once those are known to be valid
+        if self.snapkv_window is None:
+            self.snapkv_window = max(1, min(32, self.buffer // 2))
+        if self.check_tokens is None:
+            self.check_tokens = self.budget + 8 * self.buffer
+        if "snapkv" in self.policies and self.snapkv_window >= self.buffer:
+            raise ConfigError("snapkv_window", f"{self.snapkv_window} must be below --buffer {self.buffer}: kvpress's "
+                                               "DecodingPress hands SnapKV only the r queries since its last "
+                                               "compression; lower --snapkv-window")
+        if self.peer_python and self.skip_peer:
+            raise ConfigError("peer_python", "contradicts --skip-peer (our side only, no kvpress environment); drop "
+                                             "one")
+
+
 def parse_args(argv):
-    p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8], help="batch sizes, each timed on both sides")
-    p.add_argument("--repeats", type=positive_int, default=1,
-                   help="runs of every arm per batch, the sides alternating which goes first; tables show medians")
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
-                   help="policies timed on both sides (kvpress: DecodingPress around the same-named press)")
-    p.add_argument("--no-full", action="store_true",
-                   help="skip full attention on both sides (its arm is the slowest at long lengths); no x-full ratios")
-    p.add_argument("--peer-python", default=None,
-                   help="python of an existing environment with kvpress; unset: create or reuse --venv")
-    p.add_argument("--venv", default=str(DEFAULT_VENV), help="where the peer environment is created on first use")
-    p.add_argument("--skip-peer", action="store_true", help="time our side only; no kvpress environment needed")
-    p.add_argument("--check-tokens", type=int, default=None,
-                   help="tokens of the untimed batch-1 positions/order check per policy; unset: K + 8r; 0 skips it")
-    p.add_argument("--snapkv-window", type=positive_int, default=None,
-                   help="SnapKV observation window on both sides; unset: min(32, r // 2) (kvpress needs it below r)")
-    p.add_argument("--snapkv-kernel", type=positive_int, default=5, help="SnapKV pooling kernel on both sides")
-    args = p.parse_args(argv)
-    if args.snapkv_window is None:
-        args.snapkv_window = max(1, min(32, args.buffer // 2))
-    if "snapkv" in args.policies and args.snapkv_window >= args.buffer:
-        p.error(f"--snapkv-window {args.snapkv_window} must be below --buffer {args.buffer}: kvpress's DecodingPress "
-                "hands SnapKV only the r queries since its last compression; lower --snapkv-window")
-    if args.check_tokens is None:
-        args.check_tokens = args.budget + 8 * args.buffer
-    if args.check_tokens < 0:
-        p.error(f"--check-tokens must be >= 0, got {args.check_tokens}")
-    if args.peer_python and args.skip_peer:
-        p.error("--peer-python and --skip-peer contradict each other; drop one")
-    return p, args
+    return parse(Config, argv, __doc__.splitlines()[0])
 
 
 def peer_environment(args) -> tuple[Path, dict]:

@@ -18,13 +18,27 @@ import json
 import resource
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
 import randattn
 
-from bench.common import (REPO_ROOT, add_stats_flag, bench_parser, check_policies, check_rounds_run, meta,
-                          policy_options, positive_int, run_arms, setup, write_results)
+from bench.common import (REPO_ROOT, BenchConfig, check_rounds_run, meta, parse, policy_options, run_arms, setup,
+                          write_results)
+from probes.config import POSITIVE, eviction, option, setting
+from probes.policy_specs import calibration_options
 
 MARK = "ARM-RESULT "
+
+
+@dataclass
+@eviction(policies=setting(("random",), help="evicting policies compared with full attention"), stats=None)
+class Config(BenchConfig):
+    """Peak memory of a long generation: process RSS high-water mark and peak KV bytes, full attention vs eviction."""
+
+    new_tokens: int = option(8000, "tokens generated per sequence", check=POSITIVE)
+    batch: int = option(1, "sequences generated together", check=POSITIVE)
+    arm: Optional[str] = option(None, argparse.SUPPRESS)  # internal: run one arm in this process
 
 
 def peak_rss_bytes() -> int:
@@ -51,22 +65,20 @@ def child_args(args, arm: str) -> list:
     out = [sys.executable, "-m", "bench.memory", "--arm", arm, "--batch", str(args.batch),
            "--new-tokens", str(args.new_tokens), "--budget", str(args.budget), "--buffer", str(args.buffer),
            "--device", args.device, "--seed", str(args.seed)]
-    for flag, value in (("--model", args.model), ("--threads", args.threads), ("--stats", args.stats)):
+    if arm != "full":  # the child's one policy: the arm's (its checks then see only that policy)
+        out += ["--policies", arm]
+    reads_stats = arm != "full" and calibration_options(arm, args.stats)  # else the child refuses an unread --stats
+    for flag, value in (("--model", args.model), ("--threads", args.threads),
+                        ("--stats", args.stats if reads_stats else None)):
         if value is not None:
             out += [flag, str(value)]
     return out
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__.splitlines()[0], new_tokens=8000)
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies compared with full attention")
-    p.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # internal: run one arm in this process
-    add_stats_flag(p)
-    args = p.parse_args(argv)
+    p, args = parse(Config, argv, __doc__.splitlines()[0])  # the policies and --stats are checked here
     if args.arm is not None:
         return run_arm(p, args)
-    check_policies(p, "--policies", args.policies)
     policy_options(p, args, args.policies)  # a bad --stats file stops here; each child binds to the model
     try:
         randattn.resolve_device(args.device)  # before any child starts: each would fail the same way

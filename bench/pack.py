@@ -18,40 +18,46 @@ Timings need a quiet machine: nothing else running.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from bench.common import meta, write_results
-from probes.common import result_file
+from bench.common import hidden, meta, parse, result_path, write_results
+from probes.config import POSITIVE, EvictionConfig, eviction, option, setting
 
 ARMS = {"one at a time": ["--pack", "--batch", "1"], "equal-length batches": ["--batch", "{N}"],
         "packed": ["--pack", "--batch", "{N}"]}
 COMPARED = ("output", "grade", "gen_len", "terminated", "events", "prompt_len")
 
 
+@dataclass
+@eviction(policies=setting(("full", "random"), help="arms of the harness (full: no eviction; the others evict with "
+                                                    "T and r)"), budget=128, buffer=16)
+class Config(EvictionConfig):
+    """What packing distinct problems into padded batches buys the accuracy harness."""
+
+    full_allowed = True  # the harness's full-attention arm
+
+    device: str = hidden("auto")  # the model loads where randattn.load_model puts it
+    seed: int = hidden(0)  # the harness's own default seed
+    out: str = result_path("data/results/bench/pack.json")
+    restart: bool = hidden(False)
+    no_figure: bool = hidden(True)
+    figure_dir: Optional[str] = hidden(None)
+    problems: int = option(16, "word problems", check=POSITIVE)
+    batch: int = option(8, "N, the batch of the batched arms", check=POSITIVE)
+    max_new_tokens: int = option(128, "new tokens per problem", check=POSITIVE)
+    threads: Optional[int] = option(None, "torch threads (default: torch's)", check=POSITIVE)
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--problems", type=int, default=16, help="word problems (default 16)")
-    p.add_argument("--batch", type=int, default=8, help="N, the batch of the batched arms (default 8)")
-    p.add_argument("--policies", nargs="+", default=["full", "random"], help="arms of the harness (default full random)")
-    p.add_argument("--budget", type=int, default=128, help="T of the evicting policies (default 128)")
-    p.add_argument("--buffer", type=int, default=16, help="r (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per problem (default 128)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", type=result_file, default="data/results/bench/pack.json",
-                   help="result file (JSON); an existing file is only replaced when randattn wrote it")
-    args = p.parse_args(argv)
-    for name in ("problems", "batch", "budget", "buffer", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be a positive integer, got {getattr(args, name)}")
-    return args
+    return parse(Config, argv, __doc__.splitlines()[0])[1]
 
 
 def word_problems(n: int, path: Path) -> None:

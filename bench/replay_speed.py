@@ -16,26 +16,27 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import randattn
-from bench.common import (
-    REPO_ROOT,
-    add_stats_flag,
-    load,
-    bench_parser,
-    check_policies,
-    meta,
-    policy_options,
-    positive_int,
-    write_results,
-)
+from bench.common import REPO_ROOT, BenchConfig, load, meta, parse, policy_options, write_results
+from probes.config import POSITIVE, eviction, option, setting
 from probes.survival import build_chats, read_rows
 
 DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
+
+
+@dataclass
+@eviction(policies=setting(("random",), help="evicting policies to replay under"), stats=None)
+class Config(BenchConfig):
+    """Replay vs token-by-token decoding: the probes' teacher-forced workload, same tokens, same evicting cache."""
+
+    batch: int = option(1, "sequences replayed together", check=POSITIVE)
+    traces: str = option(str(DEFAULT_TRACES), "JSONL with 'question' and 'text' per row")
 
 
 def trace_batch(tok, traces: Path, *, batch: int, new_tokens: int, budget: int, seed: int):
@@ -58,19 +59,13 @@ def same_keep_sets(a: randattn.KeepLog, b: randattn.KeepLog) -> bool:
 
 
 def main(argv=None) -> int:
-    p = bench_parser(__doc__.splitlines()[0])
-    p.add_argument("--batch", type=positive_int, default=1, help="sequences replayed together")
-    p.add_argument("--policies", nargs="+", default=["random"], help="evicting policies to replay under")
-    p.add_argument("--traces", type=Path, default=DEFAULT_TRACES, help="JSONL with 'question' and 'text' per row")
-    add_stats_flag(p)
-    args = p.parse_args(argv)
-    check_policies(p, "--policies", args.policies)
+    p, args = parse(Config, argv, __doc__.splitlines()[0])  # the policies and --stats are checked here
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load(p, args)
     options = policy_options(p, args, args.policies, model)
     try:
-        ids, prompt_len = trace_batch(tok, args.traces, batch=args.batch, new_tokens=args.new_tokens,
+        ids, prompt_len = trace_batch(tok, Path(args.traces), batch=args.batch, new_tokens=args.new_tokens,
                                       budget=args.budget, seed=args.seed)
     except (FileNotFoundError, ValueError) as exc:
         p.error(str(exc))

@@ -16,14 +16,16 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import randattn
 
-from bench.common import provenance
-from probes.common import positive_int, result_file, seed_int
+from bench.common import hidden, parse, provenance, result_path
+from probes.config import POSITIVE, EvictionConfig, eviction, option, setting
 
 # (label, H_kv, H_q, head_dim, K, r)
 SHAPES = [
@@ -77,18 +79,25 @@ def _time_round(cache: randattn.EvictingCache, state: dict) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
-    import argparse
+@dataclass
+@eviction(policies=setting(None, help="the policies timed (default: every registered policy)"))
+class Config(EvictionConfig):
+    """The cost of one eviction round per policy; T and r are the shapes' own (SHAPES)."""
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=None, help="default: every registered policy")
-    p.add_argument("--repeats", type=positive_int, default=30)
-    p.add_argument("--warmup", type=positive_int, default=3)
-    p.add_argument("--prompt", type=positive_int, default=64, help="protected prompt length")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--out", type=result_file, default="data/results/bench/round_cost.json")
-    args = p.parse_args(argv)
+    model: Optional[str] = hidden(None)  # synthetic keys and values: no model
+    device: str = hidden("cpu")
+    out: str = result_path("data/results/bench/round_cost.json")
+    restart: bool = hidden(False)
+    no_figure: bool = hidden(True)
+    figure_dir: Optional[str] = hidden(None)
+    repeats: int = option(30, "timed rounds per policy and shape (the median is reported)", check=POSITIVE)
+    warmup: int = option(3, "untimed rounds first", check=POSITIVE)
+    prompt: int = option(64, "protected prompt length", check=POSITIVE)
+    threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)", check=POSITIVE)
+
+
+def main(argv=None) -> int:
+    p, args = parse(Config, argv, __doc__.splitlines()[0])
     if args.threads:
         torch.set_num_threads(args.threads)
     policies = args.policies or randattn.known_policies()

@@ -84,7 +84,7 @@ def test_flag_errors_name_the_flag(capsys):
 
     with pytest.raises(SystemExit):
         kvpress_peer.main(["--buffer", "8", "--snapkv-window", "8"])
-    assert "--snapkv-window 8 must be below --buffer 8" in capsys.readouterr().err
+    assert "--snapkv-window: 8 must be below --buffer 8" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         kvpress_peer.main(["--peer-python", "/nonexistent/bin/python"])
     assert exc.value.code == 1 and "--peer-python /nonexistent/bin/python does not exist" in capsys.readouterr().err
