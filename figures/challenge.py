@@ -1,5 +1,6 @@
 """The challenge's verdicts (``python -m probes.challenge``): each metric's difference from Random with its paired
-95% bootstrap CI, one colour per selector; filled markers pass both the CI and the exact sign test."""
+95% bootstrap CI (the task's score and its answer's log-prob, from the leaderboard's board rows in ``verdict.csv``),
+one colour per selector; filled markers pass both the CI and the exact sign test."""
 
 from __future__ import annotations
 
@@ -12,15 +13,32 @@ from randattn.stats import Estimate
 from . import style
 
 
+def _points(table: list[dict]) -> list[dict]:
+    """The verdict table's comparisons as points: each board row's score, and its answer's log-prob where it has
+    one (``lp_*`` columns), the log-prob ones marked ``nats``."""
+    out = []
+    for r in table:
+        if not r.get("verdict"):
+            continue
+        out.append({"policy": r["policy"], "metric": r["metric"], "delta": r["delta"], "lo": r["delta_lo"],
+                    "hi": r["delta_hi"], "n": r["n"], "verdict": r["verdict"], "nats": False})
+        if r.get("lp_delta") not in (None, ""):
+            out.append({"policy": r["policy"], "metric": f"{r['test']} log-prob", "delta": r["lp_delta"],
+                        "lo": r["lp_delta_lo"], "hi": r["lp_delta_hi"], "n": r["n"], "verdict": r["lp_verdict"],
+                        "nats": True})
+    return out
+
+
 def plot(table: list[dict], out_dir=None, name: str = "challenge") -> list[Path]:
-    """Draw the verdicts from the challenge's verdict table (the rows of its ``verdict.csv``)."""
-    rows = [r for r in table if r["verdict"]]
+    """Draw the verdicts from the challenge's verdict table (the rows of its ``verdict.csv``: the leaderboard's board
+    rows of the selector and its baselines)."""
+    rows = _points(table)
     if not rows:
         raise ValueError("the verdict table has no metric with a significance test (run the accuracy, question, "
                          "planted or passcode part)")
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     # Differences of rates and of log-probs do not share a scale: one panel each.
-    panels = [(lbl, [r for r in rows if ("nats" in r["metric"]) == nats])
+    panels = [(lbl, [r for r in rows if r["nats"] == nats])
               for lbl, nats in (("difference from Random (rate)", False), ("difference from Random (nats)", True))]
     panels = [(lbl, rs) for lbl, rs in panels if rs]
     style.apply()
@@ -33,7 +51,7 @@ def plot(table: list[dict], out_dir=None, name: str = "challenge") -> list[Path]
             color = style.PALETTE[(i + 2) % len(style.PALETTE)]
             for r in (r for r in rs if r["policy"] == pol):
                 y = metrics.index(r["metric"]) + (i - (len(policies) - 1) / 2) * step
-                est = Estimate(float(r["delta"]), float(r["delta_lo"]), float(r["delta_hi"]), int(r["n"]))
+                est = Estimate(float(r["delta"]), float(r["lo"]), float(r["hi"]), int(r["n"]))
                 filled = r["verdict"] in ("better", "worse")
                 ax.errorbar(est.value, y, xerr=[[est.value - est.lo], [est.hi - est.value]], fmt="o", color=color,
                             mfc=color if filled else "white", capsize=3, ms=6)

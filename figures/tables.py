@@ -201,15 +201,33 @@ def prompt_budget() -> list[str]:
 
 
 def challenge() -> list[str]:
+    """The shipped challenge: its board rows (the leaderboard's, for the example selector), then the descriptive
+    rows (cost medians, keep-sets)."""
     folder = shipped_name("challenge", "folder")
     rows = read_csv(f"{folder}/verdict.csv")
-    body = markdown(["test", "metric", "n", "selector", "Random", "difference [95% CI]", "p (bootstrap)", "verdict"],
-                    [[r["test"], r["metric"], r["n"], f(r["value"]), f(r["random"]), ci(r, "delta", signed=True),
-                      r["p_bootstrap"], r["verdict"]] for r in rows])
+    body = markdown(["task", "metric", "n", "selector [95% CI]", "Random [95% CI]", "full attention",
+                     "difference [95% CI]", "sign W/L/T", "verdict", "log-prob difference [95% CI]", "Recall R",
+                     "round cost vs Random"],
+                    [[r["test"], r["metric"], r["n"], ci(r, "value"), ci(r, "random"), f(r.get("full_attention")),
+                      ci(r, "delta", signed=True), f"{r['wins']}/{r['losses']}/{r['ties']}", r["verdict"],
+                      (ci(r, "lp_delta", 2, signed=True) + ("*" if r["lp_verdict"] in ("better", "worse") else ""))
+                      if r.get("lp_delta") else "–",
+                      f"{f(r['recall'])} vs {f(r['random_recall'])}" if r.get("recall") else "–",
+                      "×" + f(r["round_cost_ratio"], 2) if r.get("round_cost_ratio") else "–"] for r in rows])
+    extra = read_csv(f"{folder}/descriptive.csv") if result_path(f"{folder}/descriptive.csv").exists() else []
+    if extra:
+        body += ["", "Descriptive rows (no test): cost medians measured side by side, keep-set metrics.", ""]
+        body += markdown(["part", "metric", "policy", "selector", "Random", "difference [95% CI] or ratio"],
+                         [[r["test"], r["metric"], r["policy"], f(r["value"]), f(r["random"]),
+                           ci(r, "delta", signed=True) if r.get("delta") else
+                           ("×" + f(r["ratio"], 2) if r.get("ratio") else "–")] for r in extra])
+    accuracy_rows = sorted(p for p in result_path(folder).rglob("*.jsonl")
+                           if "work" not in p.relative_to(result_path(folder)).parts
+                           and p.parent != result_path(folder))  # the accuracy part's rows, in <task>/
     return body + [
         "", footer(f"{folder}/verdict.csv",
                    "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick",
-                   f"{folder}/{sorted(result_path(folder).glob('*.jsonl'))[0].name}")]  # the accuracy part's rows
+                   f"{folder}/{accuracy_rows[0].relative_to(result_path(folder)).as_posix()}")]
 
 
 LEADERBOARD_COMMAND = ("python -m probes.leaderboard --runs 3 --tasks copy question passcode cost --instances 8 "

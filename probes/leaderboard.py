@@ -17,6 +17,11 @@ tasks, every one under the same eviction setting (``--budget``, ``--buffer``, th
 - ``cost``: milliseconds per eviction round and decode tokens/s, each selector interleaved with Random in the same
   unit, reported as a ratio to Random's so that the machine's load cancels.
 
+``--accuracy-task NAME`` (``--data FILE.jsonl``) runs any task of ``probes/tasks.py`` in the copy slot;
+``--full-attention`` adds full attention's score on it and on the question (the ``full_attention`` column; the
+repeat task has it always); ``--recall`` adds the planted fact's Recall R (each instance also with the fact deleted
+and kept in every head). ``python -m probes.challenge`` is a leaderboard run of one selector with all three on.
+
 The tasks are the probes' own code (the copy and repeat units are the accuracy kind's; the others call the probes'
 run functions), planned as units of the ``leaderboard`` kind: ``python -m probes.leaderboard`` runs them here, and a
 TOML grid with ``probe = "leaderboard"`` runs the same units on Ray (``python -m probes.grid``). Random's units are
@@ -29,27 +34,35 @@ run resumes to the same rows) and ``leaderboard.csv`` go to ``--out`` (default
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 import randattn
 from analysis.names import result_name
-from randattn.stats import mean_ci, per_problem_means
+from analysis.planted import summarize as planted_summary
+from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
-from . import accuracy, cli, passcode, prompt_protection, units
-from .challenge_parts import REFERENCE, Context, compared, cost_part
+from . import accuracy, cli, passcode, prompt_protection, survival, units
 from .common import policy_slug
 from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder
 from .planted_run import PlantedConfig, load, run_conditions, setup, write_csv
 from .policy_specs import calibration_options
 from .results import DEFAULT_TRACES, run_record, trace_label
+from .tasks import TASKS as ACCURACY_TASKS
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
 
+#: the reference every selector is measured against (score-free Random, the prompt protected like everyone's).
+REFERENCE = "random"
+FULL = accuracy.FULL  # full attention (no eviction): the ceiling column with --full-attention
 TASKS = ("copy", "repeat", "question", "passcode", "planted", "cost")
 RUN_ORDER = ("copy", "question", "passcode", "cost", "planted", "repeat")
 #: task -> (metric, what is paired): the leaderboard's score on each task.
@@ -73,10 +86,21 @@ class Config(EvictionConfig):
     selector: tuple[str, ...] = option((), "your own selectors, ranked beside --policies: path/to/file.py:CALLABLE or "
                                            "MODULE:CALLABLE (runs the file's code: load only selectors you trust)",
                                        metavar="FILE.py:FN")
-    tasks: tuple[str, ...] = option(TASKS, "the tasks run", choices=TASKS)
+    tasks: tuple[str, ...] = option(TASKS, "the tasks run ('copy': the accuracy task, --accuracy-task)",
+                                    choices=TASKS)
+    accuracy_task: str = option("copy", "the task the 'copy' slot of --tasks generates and grades, paired by problem "
+                                        "(any task of probes/tasks.py; its rows go to <folder>/<task>/, its board rows "
+                                        "are named after it)", choices=tuple(ACCURACY_TASKS))
+    data: Optional[str] = option(None, "local JSONL of problems for --accuracy-task (fields: see probes/tasks.py)")
+    full_attention: bool = option(False, "also full attention (no eviction) on the accuracy and question tasks: the "
+                                         "board's full_attention column, their ceiling (the repeat task has it "
+                                         "always)")
+    recall: bool = option(False, "planted: also the fact deleted and kept in every head under each policy (three "
+                                 "replays per instance instead of one), for Recall R in the board")
     traces: Optional[str] = option(None, "JSONL with 'question' and 'text' per row: the real traces the question, "
                                          "passcode and planted tasks are built from (default: the embedded model's)")
-    problems: int = option(32, "copy: problems (paired by problem)", check=POSITIVE)
+    problems: int = option(32, "copy: problems, the first N of --accuracy-task's (paired by problem)",
+                           check=POSITIVE)
     runs: int = option(1, "copy and repeat: eviction seeds per problem for the policies that draw on one",
                        check=POSITIVE)
     repeat_problems: int = option(8, "repeat: problems", check=POSITIVE)
@@ -95,6 +119,8 @@ class Config(EvictionConfig):
                            "harness's batches)", check=POSITIVE)
     max_new_tokens: Optional[int] = option(None, "copy and repeat: new tokens at most (default: each task's, copy 192, "
                                                  "repeat 1664)", check=POSITIVE)
+    root: Optional[str] = option(None, "the exact folder of the board's files (default: --out / the setting's "
+                                       "name); probes.challenge puts its board in its own folder", cli=False)
 
     policy_fields = ("policies", "selector")
 
@@ -144,14 +170,31 @@ def _wrap(task: str, inner: Unit) -> Unit:
 
 
 def accuracy_config(config: Config, task: str, root: Path) -> accuracy.Config:
-    common = dict(model=config.model, device=config.device, seed=config.seed, out=str(root / task), no_figure=True,
-                  task=task, runs=config.runs, stats=config.stats, protect_prompt=config.protect_prompt,
+    """The accuracy harness's run of the ``copy`` slot (``--accuracy-task``, full attention with
+    ``--full-attention``) or of the repeat task (full attention first: T comes from its lengths)."""
+    name = config.accuracy_task if task == "copy" else task
+    common = dict(model=config.model, device=config.device, seed=config.seed, out=str(root / name), no_figure=True,
+                  task=name, runs=config.runs, stats=config.stats, protect_prompt=config.protect_prompt,
                   max_new_tokens=config.max_new_tokens)  # the accuracy harness's own batches (of equal prompts)
     if task == "copy":
-        return accuracy.Config(policy=tuple(config.policies_run), budget=(config.budget,), buffer=config.buffer,
-                               problems=config.problems, **common)
-    return accuracy.Config(policy=(accuracy.FULL, *config.policies_run), compression=(config.compression,),
+        full = (FULL,) if config.full_attention else ()
+        return accuracy.Config(policy=(*full, *config.policies_run), budget=(config.budget,), buffer=config.buffer,
+                               problems=config.problems, data=config.data, **common)
+    return accuracy.Config(policy=(FULL, *config.policies_run), compression=(config.compression,),
                            problems=config.repeat_problems, **common)
+
+
+def board_root(config: Config, model_name: str) -> Path:
+    """The folder of the board's files: ``root`` when set (the challenge's own folder), else ``--out`` (default
+    ``data/results/leaderboard``) / the setting's name."""
+    if config.root:
+        return Path(config.root)
+    return Path(config.out or Path("data") / "results" / "leaderboard") / run_name(config, model_name)
+
+
+def planted_conditions(config: Config) -> tuple[str, ...]:
+    """The planted task's conditions per instance: the policy's, after the endpoints of Recall R with ``--recall``."""
+    return ("deleted", "all", "policy") if config.recall else ("policy",)
 
 
 _QUESTION_TASKS: dict = {}
@@ -177,13 +220,13 @@ def _builder(config: Config, tok, task: str) -> InstanceBuilder:
                                fact=passcode.FACT, query=passcode.QUERY, instruction=passcode.INSTRUCTION,
                                deletable=False)
     return InstanceBuilder(tok, texts, budget=config.budget, buffer=config.buffer, distance=config.distance,
-                           seed=config.seed, deletable=False)
+                           seed=config.seed, deletable=config.recall)  # --recall deletes the box in one round
 
 
 def plan(config: Config, model: ModelInfo) -> Plan:
     """Every task's units for every selector and Random (Random's once, shared), in the order a fresh run computes
     them; the repeat task's policies are a second stage (T comes from full attention's lengths)."""
-    root = Path(config.out or Path("data") / "results" / "leaderboard") / run_name(config, model.name)
+    root = board_root(config, model.name)
     pols = config.policies_run
     options = {p: calibration_options(p, config.stats) for p in pols}
     for p in pols:  # every selector binds to the model before anything runs (TriAttention without statistics...)
@@ -200,6 +243,8 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     for task in config.tasks:
         if task in ("copy", "repeat"):
             inner = accuracy.plan(accuracy_config(config, task, root), model)
+            for o in inner.outputs:
+                o.meta["slot"] = task  # the slot of --tasks it fills (its "task" is the accuracy task's name)
             outputs.extend(inner.outputs)
             meta["tasks"][task] = inner.outputs[0].path
             work += [_wrap(task, u) for u in inner.units]
@@ -211,13 +256,13 @@ def plan(config: Config, model: ModelInfo) -> Plan:
             n = min(config.instances, len(tasks))
             o = output("question", ("instance", "policy"), body=config.body)
             meta["tasks"][task] = o.path
-            for p in pols:
+            for p in ([FULL] if config.full_attention else []) + pols:
                 for b in range(0, n, config.batch):
                     idx = list(range(b, min(n, b + config.batch)))
                     w = {"task": task, "traces": str(_traces(config)), "body": config.body, "seed": config.seed,
                          "idx": idx, "policy": p, "protect": config.protect_prompt, "budget": config.budget,
                          "buffer": config.buffer, "batch_seed": config.seed * 1_000_003 + idx[0],
-                         "options": options[p]}
+                         "options": options.get(p, {})}
                     work.append(make_unit("leaderboard", model.name, o, {"policy": p}, [{"instance": i} for i in idx],
                                           w, label=f"question: {p} {idx[0]}-{idx[-1]}"))
         elif task in ("passcode", "planted"):
@@ -225,15 +270,19 @@ def plan(config: Config, model: ModelInfo) -> Plan:
             config.fits(config.spec(), len(builder.stub), what=f"{task} task stub")
             n = config.passcode_instances if task == "passcode" else config.planted_instances
             extra = {"rounds": config.rounds} if task == "passcode" else {"distance": config.distance}
-            o = output(task, ("instance", "policy"), **extra)
+            # The planted rows are keyed by condition too (the policy's, and with --recall R's two endpoints), so
+            # rows measured without --recall are resumed by a run with it, which adds only the endpoints.
+            conds = planted_conditions(config) if task == "planted" else ()
+            o = output(task, ("instance", "policy", "condition") if conds else ("instance", "policy"), **extra)
             meta["tasks"][task] = o.path
             for p in pols:
                 for b in range(0, n, config.batch):
                     idx = list(range(b, min(n, b + config.batch)))
                     w = {"task": task, "config": config, "policy": p, "first": b, "instances": idx[-1] + 1,
                          "scratch": str(root / "work" / task / policy_slug(p))}
+                    parts = [{"condition": c} for c in conds] if conds else None
                     work.append(make_unit("leaderboard", model.name, o, {"policy": p}, [{"instance": i} for i in idx],
-                                          w, label=f"{task}: {p} {idx[0]}-{idx[-1]}"))
+                                          w, parts=parts, label=f"{task}: {p} {idx[0]}-{idx[-1]}"))
         elif task == "cost":
             o = output("cost", ("policy", "metric"), repeats=config.cost_repeats, rounds=config.cost_rounds,
                        cost_batch=config.cost_batch)
@@ -255,9 +304,10 @@ def plan(config: Config, model: ModelInfo) -> Plan:
 
 
 # -- running one unit ---------------------------------------------------------------------------------------
-def _planted_rows(model, tok, w: dict) -> list[dict]:
+def _planted_rows(model, tok, w: dict, parts: Optional[list[dict]] = None) -> list[dict]:
     """One batch of the passcode or the planted task under one policy, through the probes' own run functions (their
-    rows resume from a scratch file beside the board if a run is killed in the middle of a batch)."""
+    rows resume from a scratch file beside the board if a run is killed in the middle of a batch); the planted
+    task's under the conditions of ``parts`` (the policy's, and Recall R's endpoints with ``--recall``)."""
     c: Config = w["config"]
     pol, task = w["policy"], w["task"]
     stats = c.stats if calibration_options(pol, c.stats) else None
@@ -270,9 +320,14 @@ def _planted_rows(model, tok, w: dict) -> list[dict]:
         rows = passcode.run(cfg, model, tok)[0][pol]
     else:
         cfg = PlantedConfig(policy=pol, distance=c.distance, **common)
-        s = setup("leaderboard_planted", cfg, loaded=(model, tok), out=scratch / "planted.jsonl", pins_boxes=False,
-                  builder_texts={"deletable": False})  # the fact is only ever left to the policy
-        rows = run_conditions(s, [Condition.policy()], desc=f"planted: {pol}")
+        names = [p["condition"] for p in parts or [{"condition": "policy"}]]
+        pins = names != ["policy"]  # R's endpoints pin (or delete) the box; the policy's condition leaves it alone
+        s = setup("leaderboard_planted", cfg, loaded=(model, tok), out=scratch / "planted.jsonl", pins_boxes=pins,
+                  builder_texts={"deletable": pins})
+        width, heads = s.builder.box_width, range(s.n_heads)
+        made = {"deleted": lambda: Condition.heads("deleted", (), width),
+                "all": lambda: Condition.heads("all", heads, width), "policy": Condition.policy}
+        rows = run_conditions(s, [made[n]() for n in names], desc=f"planted: {pol}")
     return [{**{k: v for k, v in r.items() if k != "config"}, "policy": pol} for r in rows
             if r["instance"] >= w["first"] and r["fact"] == 0]
 
@@ -289,34 +344,81 @@ def run_unit(model, tok, unit: Unit):
         tasks = _question_tasks(tok, w["traces"], w["body"], w["seed"])
         yield prompt_protection.run_batch(model, tasks, w["idx"], w["policy"], w["protect"], budget=w["budget"],
                                           buffer=w["buffer"], seed=w["batch_seed"], options=w["options"])
-    elif task in ("passcode", "planted"):
+    elif task == "passcode":
         yield _planted_rows(model, tok, w)
+    elif task == "planted":
+        rows = _planted_rows(model, tok, w, unit.parts)
+        for part in unit.parts:  # one list per condition, in the unit's order
+            yield [r for r in rows if r["condition"] == part["condition"]]
     elif task == "cost":
-        c: Config = w["config"]
-        sizes = {"cost_batch": c.cost_batch, "cost_rounds": c.cost_rounds, "cost_repeats": c.cost_repeats}
-        rows = cost_part(Context(c, model, tok, [w["policy"], REFERENCE], Path("."), sizes))
-        yield [{k: v for k, v in r.items() if k != "verdict"} for r in rows]
+        yield measure_cost(w["config"], model, tok, w["policy"])
     else:
         raise ValueError(f"not a leaderboard task: {task!r}")
 
 
+def measure_cost(config: Config, model, tok, policy: str) -> list[dict]:
+    """Decode throughput and milliseconds per eviction round (the cache's own timers) of ``policy`` and Random,
+    interleaved within each repeat so drift hits them alike; medians, and their ratio to Random's."""
+    policies = [policy, REFERENCE]
+    chat = survival.build_chats(tok, survival.read_rows(_traces(config)), 1, config.budget + config.buffer,
+                                config.seed, config.budget)[0]
+    ids = torch.tensor([list(chat.ids[:chat.prompt_len])] * config.cost_batch, device=model.device)
+    new = config.budget + config.cost_rounds * config.buffer - chat.prompt_len
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+    randattn.generate(model, ids, config.spec(REFERENCE, seed=0).make_cache(),
+                      **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
+    speed: dict = {p: [] for p in policies}
+    round_ms: dict = {p: [] for p in policies}
+    for rep in tqdm(range(config.cost_repeats), desc="cost", unit="repeat"):
+        for pol in policies:
+            cache = config.spec(pol, seed=config.seed + rep).make_cache()
+            t0 = time.perf_counter()
+            randattn.generate(model, ids, cache, **gen)
+            seconds = time.perf_counter() - t0
+            speed[pol].append(ids.shape[0] * new / seconds)
+            round_ms[pol].append(1000 * cache.round_seconds / max(1, cache.total_events))
+    med = {p: (statistics.median(speed[p]), statistics.median(round_ms[p])) for p in policies}
+    setting = {"batch": config.cost_batch, "new_tokens": new, "rounds": config.cost_rounds,
+               "repeats": config.cost_repeats}
+    return [{"test": "cost", "metric": ROUND_COST, "unit": "ms", "policy": policy, "value": med[policy][1],
+             "random": med[REFERENCE][1], "ratio": med[policy][1] / med[REFERENCE][1], **setting},
+            {"test": "cost", "metric": THROUGHPUT, "unit": "tokens/s", "policy": policy, "value": med[policy][0],
+             "random": med[REFERENCE][0], "ratio": med[policy][0] / med[REFERENCE][0], **setting}]
+
+
 # -- the table -----------------------------------------------------------------------------------------------
+def _mean(scores: dict) -> float:
+    return float(np.mean(list(per_problem_means(scores).values())))
+
+
+def compared(test: str, metric: str, unit: str, policy: str, a: dict, b: dict, seed: int, **extra) -> dict:
+    """One verdict row: ``a`` (the policy) against ``b`` (Random), both ``{unit id: [score per run]}``: the paired
+    bootstrap 95% CI of the difference and the exact sign test (:func:`randattn.stats.paired_comparison`)."""
+    c = paired_comparison(a, b, seed=seed)
+    common = set(a) & set(b)
+    return {"test": test, "metric": metric, "unit": unit, "policy": policy, "n": c.delta.n,
+            "value": _mean({k: a[k] for k in common}), "random": _mean({k: b[k] for k in common}),
+            **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins, "losses": c.sign.losses,
+            "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict, **extra}
+
+
 def _scores(task: str, rows: list[dict]) -> tuple[dict, dict, dict]:
     """``({policy: {unit: [score per run]}}, {policy: {unit: [log-prob]}}, {policy: mean generated length})`` of one
-    task's rows (log-probs for the teacher-forced tasks: the answer's mean log-prob, finer than an exact answer)."""
+    task's rows (log-probs for the teacher-forced tasks: the answer's mean log-prob, finer than an exact answer);
+    full attention's scores under ``full`` where it ran; the planted task's from the policy's condition alone."""
     scores: dict = {}
     lps: dict = {}
     lengths: dict = {}
     for r in rows:
         if task in ("copy", "repeat"):
-            if r["policy"] == accuracy.FULL:
-                continue
             scores.setdefault(r["policy"], {}).setdefault(r["problem"], []).append(float(r["grade"]))
-            lengths.setdefault(r["policy"], []).append(r["gen_len"])
+            if r["policy"] != FULL:
+                lengths.setdefault(r["policy"], []).append(r["gen_len"])
         elif task == "question":
             scores.setdefault(r["policy"], {})[r["instance"]] = [float(r["digit_acc"])]
             lps.setdefault(r["policy"], {})[r["instance"]] = [float(r["mean_lp"])]
-        else:
+        elif r.get("condition", "policy") == "policy":  # Recall R's endpoints are not the policy's score
             scores.setdefault(r["policy"], {})[r["instance"]] = [float(r["retrieved"])]
             lps.setdefault(r["policy"], {})[r["instance"]] = [float(r["lp"])]
     return scores, lps, {p: float(np.mean(v)) for p, v in lengths.items()}
@@ -329,31 +431,66 @@ def _planned_rows(plan_units: list[Unit], path: str, rows: list[dict], key: tupl
     return [r for r in rows if tuple(r[f] for f in key) in wanted]
 
 
+def _recall(rows: list[dict], seed: int) -> dict:
+    """``{policy: Recall R estimate}`` from the planted rows of policies that ran both endpoints (``--recall``)."""
+    by_policy: dict = {}
+    for r in rows:
+        by_policy.setdefault(r["policy"], []).append(r)
+    out = {}
+    for pol, rs in by_policy.items():
+        s = planted_summary(rs, ["policy"], seed=seed).get("policy")
+        if s is not None and s.recall is not None:
+            out[pol] = s.recall
+    return out
+
+
+def output_slot(output: Output) -> str:
+    """The slot of ``--tasks`` an output of the plan fills (an accuracy file's own ``task`` is its task's name)."""
+    return output.meta.get("slot") or output.meta.get("task")
+
+
+def task_of(config: Config, slot: str) -> str:
+    """A slot of ``--tasks`` as the board names it: the accuracy slot by its task (``copy`` unless
+    ``--accuracy-task``), the others by their own name."""
+    return config.accuracy_task if slot == "copy" else slot
+
+
+def metric_of(config: Config, slot: str) -> tuple[str, str]:
+    """``(metric, what is paired)`` of a slot of ``--tasks``."""
+    if slot == "copy":
+        return f"{config.accuracy_task} accuracy", "problems"
+    return METRICS[slot]
+
+
 def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: dict) -> list[dict]:
     """One row per selector and task: score with its 95% CI, Random's, the paired difference with its CI, bootstrap
-    p, sign test and verdict, generated length (copy, repeat) and round cost as a ratio to Random's; ranked."""
-    by_task = {o.meta.get("task") or ("copy" if "/copy/" in o.path else "repeat"): o for o in outputs}
+    p, sign test and verdict, generated length (copy, repeat) and round cost as a ratio to Random's; ranked. Where
+    the rows have them: full attention's score on the same units (``full_attention``), the answer's log-prob
+    compared the same way (``lp*``), the planted fact's Recall R with its CI (``recall*``, ``--recall``)."""
+    by_task = {output_slot(o): o for o in outputs}
     cost = {}
     if "cost" in by_task:
         o = by_task["cost"]
         for r in _planned_rows(plan_units, o.path, rows.get(o.path, []), o.key):
             cost[(r["policy"], r["metric"])] = r
     table = []
-    for task in config.tasks:
-        if task == "cost" or task not in by_task:
+    for slot in config.tasks:
+        if slot == "cost" or slot not in by_task:
             continue
-        o = by_task[task]
-        scores, lps, lengths = _scores(task, _planned_rows(plan_units, o.path, rows.get(o.path, []), o.key))
+        o = by_task[slot]
+        planned = _planned_rows(plan_units, o.path, rows.get(o.path, []), o.key)
+        scores, lps, lengths = _scores(slot, planned)
         if REFERENCE not in scores:
             continue
+        recall = _recall(planned, config.seed) if slot == "planted" else {}
         budgets = sorted({u.fixed.get("budget") for u in plan_units if u.output == o.path
                           and u.fixed.get("policy") == REFERENCE} - {None})
-        metric, unit = METRICS[task]
+        metric, unit = metric_of(config, slot)
         ref = mean_ci(list(per_problem_means(scores[REFERENCE]).values()), seed=config.seed)
         for pol in config.selectors:
             if pol not in scores:
                 continue
-            row = compared(task, metric, unit, pol, scores[pol], scores[REFERENCE], config.seed)
+            row = compared(task_of(config, slot), metric, unit, pol, scores[pol], scores[REFERENCE], config.seed)
             common = sorted(set(scores[pol]) & set(scores[REFERENCE]), key=str)  # a fixed order: reruns byte-equal
             for col, p in (("value", pol), ("random", REFERENCE)):
                 means = per_problem_means({k: scores[p][k] for k in common})
@@ -362,14 +499,22 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
             row.update({"value_lo": est.lo, "value_hi": est.hi, "random_lo": ref.lo, "random_hi": ref.hi,
                         "verdict": VERDICTS[row["verdict"]], "budget": budgets[0] if budgets else config.budget,
                         "gen_len": lengths.get(pol), "random_gen_len": lengths.get(REFERENCE)})
+            full = {k: scores[FULL][k] for k in common if k in scores.get(FULL, {})}
+            if full:  # the ceiling, on the same units
+                row["full_attention"] = float(np.mean(list(per_problem_means(full).values())))
             if pol in lps and REFERENCE in lps:  # the answer's log-prob, paired the same way (not ranked)
-                lp = compared(task, "log-prob", unit, pol, lps[pol], lps[REFERENCE], config.seed)
+                lp = compared(slot, "log-prob", unit, pol, lps[pol], lps[REFERENCE], config.seed)
                 row.update({"lp": lp["value"], "random_lp": lp["random"], "lp_delta": lp["delta"],
                             "lp_delta_lo": lp["delta_lo"], "lp_delta_hi": lp["delta_hi"],
                             "lp_verdict": VERDICTS[lp["verdict"]]})
+            if pol in recall and REFERENCE in recall:  # descriptive: each policy's own endpoints, no paired test
+                r, r0 = recall[pol], recall[REFERENCE]
+                row.update({"recall": r.value, "recall_lo": r.lo, "recall_hi": r.hi, "random_recall": r0.value,
+                            "random_recall_lo": r0.lo, "random_recall_hi": r0.hi})
             for name, metric_name in (("round_cost", ROUND_COST), ("throughput", THROUGHPUT)):
                 c = cost.get((pol, metric_name))
                 row[f"{name}_ratio"] = c["ratio"] if c else None
+            row["slot"] = slot
             table.append(row)
     tally = {p: sum((r["verdict"] == "better") - (r["verdict"] == "worse") for r in table if r["policy"] == p)
              for p in config.selectors}
@@ -378,7 +523,9 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
     rank = {p: i + 1 for i, p in enumerate(order)}
     for r in table:
         r["rank"] = rank[r["policy"]]
-    table.sort(key=lambda r: (r["rank"], config.tasks.index(r["test"])))
+    table.sort(key=lambda r: (r["rank"], config.tasks.index(r["slot"])))
+    for r in table:
+        del r["slot"]
     return table
 
 
@@ -403,8 +550,8 @@ def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
     """``leaderboard.csv`` from the rows of every task (only those this plan names), printed; the figure."""
     config: Config = plan.config
     table = board(config, plan.meta.get("units", plan.units), plan.outputs, rows)
-    path = write_csv(Path(plan.meta["root"]).parent / result_name("leaderboard", config, "table",
-                                                                  model=plan.meta["model"]), table)
+    name = Path(result_name("leaderboard", config, "table", model=plan.meta["model"])).name
+    path = write_csv(Path(plan.meta["root"]) / name, table)
     print_board(table)
     print(f"\nleaderboard: {path}")
     paths = [path]

@@ -214,3 +214,75 @@ def test_a_grid_of_the_leaderboard_kind_writes_the_command_lines_rows(tiny_dir, 
         assert _measured(_rows(board / name)) == _measured(_rows(tmp_path / "single" / board.name / name)), name
     assert [(r["policy"], r["test"], r["delta"]) for r in _board(board)] == \
         [(r["policy"], r["test"], r["delta"]) for r in _board(tmp_path / "single")]
+
+
+def test_the_shipped_board_is_resumed_by_its_command_with_nothing_pending(embedded):
+    """The shipped rows are what the shipped command (figures.tables.LEADERBOARD_COMMAND) plans: every unit of it
+    is on disk, so a rerun computes nothing (the challenge's additions, off by default, change no shipped row)."""
+    import shlex
+
+    import randattn
+    from analysis.names import shipped_name
+    from figures.table_io import result_path
+    from figures.tables import LEADERBOARD_COMMAND
+    from probes import leaderboard
+    from probes.config import build, parse_values, parser_for
+    from probes.results import INFORMATIONAL
+    from probes.units import ModelInfo
+
+    argv = shlex.split(LEADERBOARD_COMMAND)[3:]
+    parser = parser_for(leaderboard.Config, "leaderboard")
+    config = build(leaderboard.Config, parser, parse_values(leaderboard.Config, parser, argv))
+    folder = result_path(shipped_name("leaderboard", "folder"))
+    config = config.replace(root=str(folder))
+    plan = leaderboard.plan(config, ModelInfo.loaded(randattn.DEFAULT_MODEL, *embedded))
+    assert plan.then is None and plan.units
+    pending = []
+    mine = lambda c: {k: v for k, v in c.items() if k not in INFORMATIONAL}  # noqa: E731
+    for o in plan.outputs:  # the rows read as the local backend reads them (no file is opened for writing)
+        rows = _rows(Path(o.path))
+        assert all(mine(r["config"]) == mine(o.config) for r in rows), o.path  # the same configuration: resumed
+        done = {tuple(r[k] for k in o.key) for r in rows}
+        pending += [u.label for u in plan.units if u.output == o.path and u.pending(done, o.key) is not None]
+    assert pending == []
+
+
+def test_recall_adds_only_the_endpoints_and_leaves_the_policys_rows_as_they_were(tiny_dir, tmp_path):
+    """Planted rows measured without --recall are resumed by a run with it: the policy's rows stay byte-equal, R's
+    two endpoints are added, and R comes out in the board; the same draws as a run with --recall from scratch."""
+    flags = ["--model", tiny_dir, "--policies", "recency", "--tasks", "planted", *SMALL, "--buffer", "12"]
+    out = tmp_path / "lb"
+    assert _main("--out", str(out), *flags) == 0
+    (path,) = out.glob("*/planted.jsonl")
+    before = _rows(path)
+    assert {r["condition"] for r in before} == {"policy"}
+    assert _main("--out", str(out), *flags, "--recall") == 0
+    after = _rows(path)
+    assert after[: len(before)] == before
+    assert {r["condition"] for r in after[len(before):]} == {"deleted", "all"}
+    (row,) = _board(out)
+    assert row["recall"] != "" and row["random_recall"] != ""
+    assert float(row["recall_lo"]) <= float(row["recall"]) <= float(row["recall_hi"])
+    fresh = tmp_path / "fresh"
+    assert _main("--out", str(fresh), *flags, "--recall") == 0
+    key = lambda r: (r["policy"], r["instance"], r["condition"])  # noqa: E731
+    assert sorted(_measured(_rows(next(fresh.glob("*/planted.jsonl")))), key=key) == \
+        sorted(_measured(after), key=key)
+
+
+def test_another_accuracy_task_and_the_full_attention_ceiling(tiny_dir, tmp_path):
+    """--accuracy-task runs any task in the copy slot (its rows in <folder>/<task>/, its board rows named after it);
+    --full-attention adds full attention's score on the same problems."""
+    import json
+
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"id": f"m{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(2)))
+    out = tmp_path / "lb"
+    assert _main("--model", tiny_dir, "--out", str(out), "--policies", "recency", "--tasks", "copy",
+                 "--accuracy-task", "math500", "--data", str(data), "--full-attention", *SMALL) == 0
+    (row,) = _board(out)
+    assert row["test"] == "math500" and row["metric"] == "math500 accuracy" and row["n"] == "2"
+    assert 0 <= float(row["full_attention"]) <= 1
+    (rows_file,) = out.glob("*/math500/*.jsonl")
+    assert {r["policy"] for r in _rows(rows_file)} == {"full", "recency", "random"}
