@@ -125,6 +125,85 @@ def test_plan_writes_held_slots_and_refuses_a_crossing_chunk():
     assert not state.requests()
 
 
+# -- PagedKV: whole-block reads and writes equal per-element indexing ----------------------------------------------
+def _old_index(flat, bs, heads, blocks, n):
+    """The per-element indices PagedKV used before whole-block moves (the reference)."""
+    s = torch.arange(n)
+    b = torch.from_numpy(np.asarray(blocks[: (n + bs - 1) // bs], dtype=np.int64))
+    return b[s // bs][None, :, None], torch.arange(heads)[:, None, None], s % bs
+
+
+def _synthetic_layouts(bs, d):
+    s, dim = torch.arange(bs)[:, None], torch.arange(d)[None, :]
+    perm = torch.randperm(2 * bs * d, generator=torch.Generator().manual_seed(bs * d))
+    return {"natural": (s * d + dim, bs * d + s * d + dim),
+            "vec": (dim * bs + s, bs * d + s * d + dim),  # vLLM's vec / vec16: keys transposed, values row-major
+            "shuffled": (perm[: bs * d].view(bs, d), perm[bs * d:].view(bs, d))}
+
+
+def _check_paged_kv(isa, k_off, v_off, dtype, bs, d):
+    from randattn.vllm import backend
+
+    key = (isa, dtype, bs, d)
+    backend._LAYOUTS[key] = (k_off, v_off)
+    try:
+        g = torch.Generator().manual_seed(0)
+        heads, nb = 3, 7
+        cache = torch.randn(nb, heads, bs, 2 * d, generator=g).to(dtype)
+        blocks = np.random.default_rng(1).permutation(nb).astype(np.int32)
+        for n in sorted({1, bs - 1, bs, bs + 1, 3 * bs - 5, nb * bs}):
+            new, old = backend.PagedKV(cache.clone(), isa, d), cache.clone().view(nb, heads, -1)
+            blk, hh, off = _old_index(old, bs, heads, blocks, n)
+            k, v = new.read(blocks, n)
+            assert k.is_contiguous() and v.is_contiguous() and k.shape == (heads, n, d)
+            assert torch.equal(k, old[blk, hh, k_off[off][None]]) and torch.equal(v, old[blk, hh, v_off[off][None]])
+            keys, values = torch.randn(2, heads, n, d, generator=g)  # fp32, as a round hands them over
+            new.write(blocks, keys, values)
+            old[blk, hh, k_off[off][None]] = keys.to(dtype)
+            old[blk, hh, v_off[off][None]] = values.to(dtype)
+            assert torch.equal(new.flat, old), (isa, n)  # every byte, the slots past n included
+    finally:
+        backend._LAYOUTS.pop(key, None)
+        backend._ORDERS.pop(key, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,d", [(16, 64), (32, 64), (128, 8)])
+@pytest.mark.parametrize("layout", ["natural", "vec", "shuffled"])
+def test_paged_kv_equals_per_element_indexing(layout, bs, d, dtype):
+    k_off, v_off = _synthetic_layouts(bs, d)[layout]
+    _check_paged_kv(f"test-{layout}", k_off, v_off, dtype, bs, d)
+
+
+@pytest.mark.vllm
+def test_paged_kv_on_the_kernels_own_layouts():
+    """The same check on the layouts vLLM's kernel writes (``_layout``) for every CPU ISA this build has."""
+    if not VENV_PY.exists():
+        pytest.skip(f"no vLLM environment at {VENV_PY.parent.parent}")
+    script = (
+        "import json, torch\n"
+        "from randattn.vllm.backend import _layout\n"
+        "out = {}\n"
+        "for isa in ('vec', 'vec16', 'amx', 'neon', 'vsx', 'vxe', 'rvv'):\n"
+        "    for dt in ('float32', 'bfloat16'):\n"
+        "        for bs, d in ((16, 64), (32, 64), (32, 128), (128, 64)):\n"
+        "            try:\n"
+        "                k, v = _layout(isa, getattr(torch, dt), bs, d)\n"
+        "            except Exception:\n"
+        "                continue\n"
+        "            out[f'{isa} {dt} {bs} {d}'] = [k.tolist(), v.tolist()]\n"
+        "print(json.dumps(out))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(VENV_PY), "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any(k.startswith("vec ") for k in found), sorted(found)
+    for name, (k_off, v_off) in found.items():
+        isa, dt, bs, d = name.split()
+        _check_paged_kv(f"kernel-{isa}", torch.tensor(k_off), torch.tensor(v_off), getattr(torch, dt), int(bs), int(d))
+
+
 # -- conformance in vLLM (the vllm tier) ---------------------------------------------------------------------------
 _TEXTS = ["Explain step by step why the sum of two odd numbers is always even, and give three examples.",
           "Write a short story about a lighthouse keeper who finds a message in a bottle.",

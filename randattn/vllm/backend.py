@@ -3,8 +3,9 @@
 :class:`EvictingCPUBackend` replaces ``CPU_ATTN`` (``register_backend``, no vLLM file edited). Its impl runs vLLM's
 own kernel on the step's held pairs (the runner hook has already rewritten ``seq_lens`` and ``slot_mapping`` to
 held slots, :mod:`randattn.vllm.state`), then hands the layer to :func:`randattn.vllm.state.after_attention`, which
-records positions, buffers queries and, for every request whose step ends on a round, scores its candidates with
-the randattn policy and compacts every KV head to ``T`` pairs in place, in the request's own blocks. Without a
+buffers queries (policies that read them) and, for every request whose step ends on a round, scores its candidates
+with the randattn policy and compacts every KV head to ``T`` pairs in place, in the request's own blocks. A step
+where no request does either skips all of it. Without a
 ``"randattn"`` config (no step plan) it is vLLM's backend unchanged.
 
 Where a chunk may end: a step's chunk of ``q`` tokens may end at a round (the forward that brings a layer to
@@ -83,31 +84,65 @@ def _layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> tup
     return _LAYOUTS[key]
 
 
+def _block_order(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(perm, inv)`` for one (block, head) row of the layout: ``row[perm]`` is the row in natural order (all
+    keys slot-major, then all values: ``[2, block_size, D]`` flattened) and ``natural[inv]`` the kernel's row again.
+    Needs the keys and values to tile the row exactly (every layout met so does: ``vec``, ``vec16``)."""
+    key = (isa, dtype, block_size, head_dim)
+    if key not in _ORDERS:
+        k_off, v_off = _layout(isa, dtype, block_size, head_dim)
+        perm = torch.cat([k_off.reshape(-1), v_off.reshape(-1)])
+        if not torch.equal(torch.sort(perm).values, torch.arange(perm.numel())):
+            raise RuntimeError(f"randattn.vllm: the CPU KV layout (isa {isa!r}, {dtype}) leaves gaps in a block (its "
+                               "keys and values do not tile it); this kernel is not supported")
+        _ORDERS[key] = (perm, torch.argsort(perm))
+    return _ORDERS[key]
+
+
+_ORDERS: dict = {}
+
+
 class PagedKV:
     """Read and write the first ``n`` held slots of one request, per KV head, in one layer's paged CPU cache
-    ``kv_cache[num_blocks, H_kv, block_size, 2 * D]``."""
+    ``kv_cache[num_blocks, H_kv, block_size, 2 * D]``.
+
+    Both move whole blocks: the request's first ``ceil(n / block_size)`` block rows are taken along dim 0 (one
+    ``index_select`` of contiguous rows) and put in natural order by one precomputed permutation of a block's
+    ``block_size * 2 * D`` elements (:func:`_block_order`), instead of indexing every (head, slot, dim) with
+    broadcast ``[H, n, D]`` index tensors (which cost a round more than its policy did). A write whose ``n`` ends
+    inside a block first reads that block back, so the slots past ``n`` keep their bytes."""
 
     def __init__(self, kv_cache: torch.Tensor, isa: str, head_dim: int):
         self.nb, self.heads, self.block_size, _ = kv_cache.shape
         self.flat = kv_cache.view(self.nb, self.heads, -1)
         self.head_dim = head_dim
-        self.k_off, self.v_off = _layout(isa, kv_cache.dtype, self.block_size, head_dim)
+        self.perm, self.inv = _block_order(isa, kv_cache.dtype, self.block_size, head_dim)
 
-    def _index(self, blocks: np.ndarray, n: int):
-        s = torch.arange(n)
-        b = torch.from_numpy(np.asarray(blocks[: (n + self.block_size - 1) // self.block_size], dtype=np.int64))
-        blk = b[s // self.block_size][None, :, None]
-        heads = torch.arange(self.heads)[:, None, None]
-        return blk, heads, s % self.block_size
+    def _natural(self, b: torch.Tensor) -> torch.Tensor:
+        """The ``m`` blocks ``b`` in natural order: ``[2 (K, V), H, m * block_size, D]``."""
+        rows = self.flat.index_select(0, b)  # [m, H, 2 * bs * D], the kernel's order
+        rows = torch.gather(rows, 2, self.perm.expand_as(rows))  # natural order (gather: ~8x index_select on dim 2)
+        return rows.view(len(b), self.heads, 2, self.block_size, self.head_dim).permute(2, 1, 0, 3, 4).reshape(
+            2, self.heads, len(b) * self.block_size, self.head_dim)
+
+    def _blocks(self, blocks: np.ndarray, n: int) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(blocks[: -(-n // self.block_size)], dtype=np.int64))
 
     def read(self, blocks: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blk, heads, off = self._index(blocks, n)
-        return (self.flat[blk, heads, self.k_off[off][None]], self.flat[blk, heads, self.v_off[off][None]])
+        kv = self._natural(self._blocks(blocks, n))[:, :, :n]
+        return kv[0].contiguous(), kv[1].contiguous()  # contiguous [H, n, D], as the policies always got them
 
     def write(self, blocks: np.ndarray, keys: torch.Tensor, values: torch.Tensor) -> None:
-        blk, heads, off = self._index(blocks, keys.shape[1])
-        self.flat[blk, heads, self.k_off[off][None]] = keys.to(self.flat.dtype)
-        self.flat[blk, heads, self.v_off[off][None]] = values.to(self.flat.dtype)
+        n = keys.shape[1]
+        b = self._blocks(blocks, n)
+        kv = torch.stack([keys.to(self.flat.dtype), values.to(self.flat.dtype)])  # [2, H, n, D]
+        tail = len(b) * self.block_size - n
+        if tail:  # the last block is shared with slots past n: keep theirs
+            kv = torch.cat([kv, self._natural(b[-1:])[:, :, self.block_size - tail:]], dim=2)
+        rows = kv.view(2, self.heads, len(b), self.block_size, self.head_dim).permute(2, 1, 0, 3, 4)
+        rows = rows.reshape(len(b), self.heads, -1)
+        rows = torch.gather(rows, 2, self.inv.expand_as(rows))  # back to the kernel's order
+        self.flat.index_copy_(0, b, rows)
 
 
 def _cpu_classes():
@@ -125,8 +160,8 @@ def _cpu_classes():
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                   output_block_scale)
             plan = state.current()
-            if plan is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-                return out
+            if plan is None or not plan.work or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+                return out  # most decode steps: no request runs a round or buffers queries
             if self._layer_idx is None:
                 self._layer_idx = layer_index(getattr(layer, "layer_name", ""))
             paged = PagedKV(kv_cache, layer.isa, self.head_size)

@@ -61,8 +61,11 @@ def policy_problem(cfg: EngineConfig) -> Optional[str]:
 
 @dataclass
 class _Layer:
-    positions: torch.Tensor  # [H_kv, capacity] int64: absolute position of every held slot
+    positions: torch.Tensor  # [H_kv, capacity] int64: absolute position of every held slot below `filled`
     rounds: int = 0
+    # Slots [filled, held) were appended one token per position since the last round, so their positions are the
+    # held count's last absolute positions: _round writes them then, not every step (that cost more than the rounds).
+    filled: int = 0
     queries: Optional[torch.Tensor] = None  # [1, H_q, <=w, D], the last w post-RoPE queries
     query_positions: Optional[torch.Tensor] = None  # [<=w]
 
@@ -140,6 +143,7 @@ class StepPlan:
     rows: list
     block_size: int
     num_layers: int
+    work: list = field(default_factory=list)  # the rows after_attention has anything to do for (most steps: none)
 
 
 def requests() -> dict:
@@ -191,22 +195,24 @@ def plan_step(cfg: EngineConfig, *, req_ids: list, computed: np.ndarray, schedul
     if slots:
         flat = np.concatenate(slots)
         slot_mapping[: len(flat)].copy_(torch.from_numpy(flat).to(slot_mapping.dtype))
-    return StepPlan(rows=rows, block_size=block_size, num_layers=num_layers)
+    work = [r for r in rows if r.round_after or r.last or r.req.cache.needs_queries]
+    return StepPlan(rows=rows, block_size=block_size, num_layers=num_layers, work=work)
 
 
 def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: float, kv_heads: int,
                     read: Callable, write: Callable) -> None:
-    """One layer's bookkeeping after its attention: record the new slots' positions, buffer queries, run rounds.
+    """One layer's bookkeeping after its attention: buffer queries, run rounds, write finished keep-logs.
 
     ``query``: ``[tokens, H_q, D]`` post-RoPE; ``read(blocks, n) -> (K, V)`` each ``[H_kv, n, D]``, the first
-    ``n`` held slots of a request; ``write(blocks, K, V)`` stores ``[H_kv, n, D]`` into its first ``n`` slots."""
-    for row in plan.rows:
+    ``n`` held slots of a request; ``write(blocks, K, V)`` stores ``[H_kv, n, D]`` into its first ``n`` slots.
+    Only ``plan.work`` is visited: a row that neither buffers queries nor ends on a round has nothing to record
+    (its new slots' positions are filled at the next round, ``_Layer.filled``)."""
+    for row in plan.work:
         st = row.req
         cache = st.cache
         lay = st.layer(layer_idx, kv_heads, query.device)
-        new_pos = torch.arange(row.abs_start, row.abs_start + row.q, device=lay.positions.device)
-        lay.positions[:, row.slot_start : row.slot_start + row.q] = new_pos
         if cache.needs_queries:
+            new_pos = torch.arange(row.abs_start, row.abs_start + row.q, device=lay.positions.device)
             q = query[row.q_start : row.q_start + row.q].transpose(0, 1)[None]  # [1, H_q, q, D]
             w = cache.query_window
             if lay.queries is None:
@@ -225,11 +231,14 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     """The HF engine's round on one request's layer: score, protect, select, compact to T, log."""
     st, cache = row.req, row.req.cache
     n = row.slot_start + row.q
+    seq_len = row.abs_start + row.q
+    # slots [filled, n) hold the last n - filled absolute positions (_Layer.filled)
+    lay.positions[:, lay.filled : n] = torch.arange(seq_len - n + lay.filled, seq_len, device=lay.positions.device)
     keys, values = read(row.blocks, n)
     positions = lay.positions[:, :n]
     layer = _RoundLayer(
         layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], rounds=lay.rounds,
-        seq_len=row.abs_start + row.q, physical_length=n, recent_queries=lay.queries,
+        seq_len=seq_len, physical_length=n, recent_queries=lay.queries,
         recent_query_positions=lay.query_positions, scaling=float(scale))
     view = cache.view(layer, rows=[0])
     kept = cache._select_view(layer, view, [0])[0]  # [H_kv, T], sorted slot indices
@@ -238,8 +247,9 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     new_positions = torch.gather(positions, 1, kept)
     lay.positions[:, : kept.shape[1]] = new_positions
     lay.positions[:, kept.shape[1]:] = -1
+    lay.filled = kept.shape[1]
     if cache.keep_log is not None:
-        cache.keep_log.record(layer_idx, lay.rounds, row.abs_start + row.q, new_positions[None])
+        cache.keep_log.record(layer_idx, lay.rounds, seq_len, new_positions[None])
     lay.rounds += 1
 
 
