@@ -82,7 +82,7 @@ class _Fields:
 
 # -- one function per file a probe writes -------------------------------------------------------------------------
 def _planted(c: _Fields) -> str:
-    """A planted-fact probe's rows (head_pooling, scatter, two_facts, blocks, shared_draw, passcode, the challenge)."""
+    """A planted-fact probe's rows (head_pooling, scatter, two_facts, blocks, shared_draw, passcode)."""
     extra = "".join(f"-{k}{v}" for k, v in (c.get("policy_options") or {}).items())
     return (f"{c.model}-{policy_slug(c['policy'])}{extra}-K{c['budget']}-r{c['buffer']}-d{c['distance']}"
             f"-s{c['seed']}-{c.tag}.jsonl")
@@ -158,7 +158,7 @@ _PLANTED = {"rows": _planted, "summary": _planted_summary}
 #: probe -> {part: name function}: every file name a probe composes from its configuration.
 PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
     "planted": _PLANTED,  # probes.planted_run's rows, whichever probe plants (the probes below, and new ones)
-    "head_pooling": _PLANTED, "scatter": _PLANTED, "two_facts": _PLANTED, "challenge_planted": _PLANTED,
+    "head_pooling": _PLANTED, "scatter": _PLANTED, "two_facts": _PLANTED,
     "blocks": {"rows": _planted, "summary": _blocks_summary, "nll": _nll},
     "shared_draw": {"rows": _planted, "summary": _shared_draw_summary, "nll": _nll},
     "passcode": {"rows": _planted, "summary": _passcode_summary, "group": _passcode_group},

@@ -12,7 +12,7 @@ from analysis.names import PARTS, SHIPPED, policy_slug, protection_tag, result_n
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "data" / "results"
-ROWS = sorted(p for p in RESULTS.rglob("*.jsonl") if "/planted/" not in p.as_posix())  # the challenge names those
+ROWS = sorted(p for p in RESULTS.rglob("*.jsonl") if "/planted/" not in p.as_posix())  # scratch of planted-fact runs
 
 
 def _config(path: Path) -> dict:
