@@ -51,8 +51,18 @@ def result_path(default: Optional[str] = None, where: str = "under data/results/
 
 
 @dataclass
+class BenchBase(EvictionConfig):
+    """A benchmark's config: a probe's, less the probe run settings a benchmark has no use for (``--restart``,
+    figures), hidden from its command line and TOML files."""
+
+    restart: bool = hidden(False)
+    no_figure: bool = hidden(True)
+    figure_dir: Optional[str] = hidden(None)
+
+
+@dataclass
 @eviction(budget=1024, buffer=64)
-class BenchConfig(EvictionConfig):
+class BenchConfig(BenchBase):
     """The settings every generation benchmark takes: the probes' run flags (``--model``, ``--device``, ``--seed``),
     the eviction settings from their one definition (:data:`probes.config.SETTINGS`; defaults: the paper's geometry,
     T=1,024, r=64), the generation length, torch's threads and the result file. A benchmark's ``Config`` adds its
@@ -60,9 +70,6 @@ class BenchConfig(EvictionConfig):
     it from the command line: defaults, then ``--config FILE.toml``, then the flags."""
 
     out: Optional[str] = result_path()
-    restart: bool = hidden(False)
-    no_figure: bool = hidden(True)
-    figure_dir: Optional[str] = hidden(None)
     new_tokens: int = option(4096, "tokens generated per sequence", check=POSITIVE)
     threads: Optional[int] = option(None, "torch CPU threads (default: torch's choice)", check=POSITIVE)
 

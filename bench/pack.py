@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from bench.common import hidden, meta, parse, result_path, write_results
-from probes.config import POSITIVE, EvictionConfig, eviction, option, setting
+from bench.common import BenchBase, hidden, meta, parse, result_path, write_results
+from probes.config import POSITIVE, eviction, option, setting
 
 ARMS = {"one at a time": ["--pack", "--batch", "1"], "equal-length batches": ["--batch", "{N}"],
         "packed": ["--pack", "--batch", "{N}"]}
@@ -39,7 +39,7 @@ COMPARED = ("output", "grade", "gen_len", "terminated", "events", "prompt_len")
 @dataclass
 @eviction(policies=setting(("full", "random"), help="arms of the harness (full: no eviction; the others evict with "
                                                     "T and r)"), budget=128, buffer=16)
-class Config(EvictionConfig):
+class Config(BenchBase):
     """What packing distinct problems into padded batches buys the accuracy harness."""
 
     full_allowed = True  # the harness's full-attention arm
@@ -47,9 +47,6 @@ class Config(EvictionConfig):
     device: str = hidden("auto")  # the model loads where randattn.load_model puts it
     seed: int = hidden(0)  # the harness's own default seed
     out: str = result_path("data/results/bench/pack.json")
-    restart: bool = hidden(False)
-    no_figure: bool = hidden(True)
-    figure_dir: Optional[str] = hidden(None)
     problems: int = option(16, "word problems", check=POSITIVE)
     batch: int = option(8, "N, the batch of the batched arms", check=POSITIVE)
     max_new_tokens: int = option(128, "new tokens per problem", check=POSITIVE)

@@ -24,8 +24,8 @@ import torch
 
 import randattn
 
-from bench.common import hidden, parse, provenance, result_path
-from probes.config import POSITIVE, EvictionConfig, eviction, option, setting
+from bench.common import BenchBase, hidden, parse, provenance, result_path
+from probes.config import POSITIVE, eviction, option, setting
 
 # (label, H_kv, H_q, head_dim, K, r)
 SHAPES = [
@@ -81,15 +81,12 @@ def _time_round(cache: randattn.EvictingCache, state: dict) -> float:
 
 @dataclass
 @eviction(policies=setting(None, help="the policies timed (default: every registered policy)"))
-class Config(EvictionConfig):
+class Config(BenchBase):
     """The cost of one eviction round per policy; T and r are the shapes' own (SHAPES)."""
 
     model: Optional[str] = hidden(None)  # synthetic keys and values: no model
     device: str = hidden("cpu")
     out: str = result_path("data/results/bench/round_cost.json")
-    restart: bool = hidden(False)
-    no_figure: bool = hidden(True)
-    figure_dir: Optional[str] = hidden(None)
     repeats: int = option(30, "timed rounds per policy and shape (the median is reported)", check=POSITIVE)
     warmup: int = option(3, "untimed rounds first", check=POSITIVE)
     prompt: int = option(64, "protected prompt length", check=POSITIVE)
