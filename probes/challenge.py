@@ -226,7 +226,8 @@ def verdict_text(rows: list[dict], policies: list[str], args, costs: list[dict] 
                      f"{'protected' if args.protect_prompt else 'unprotected'}): {v['summary']}")
         for key in VERDICT_KEYS:
             lines.append(f"  {key}: {', '.join(v[key]) or '-'}")
-        cost = v["cost"] or {r["metric"]: r["ratio"] for r in costs if r["policy"] == pol}
+        # the board's ratios, else the cost rows' own (keep-set rows share the list and have no ratio)
+        cost = v["cost"] or {r["metric"]: r["ratio"] for r in costs if r["policy"] == pol and r["test"] == "cost"}
         if cost:
             lines.append("  cost relative to Random: " + ", ".join(f"{m} x{x:.2f}" for m, x in cost.items()))
     return lines

@@ -167,3 +167,15 @@ def test_stats_reach_the_planted_and_passcode_parts(selectors, tiny_dir, tmp_pat
                           "--model", tiny_dir, "--quick", "--instances", "4", "--passcode-instances", "4",
                           "--rounds", "4", "--out", str(out), "--only", part) == 0
     assert {r["policy"] for r in _verdict_rows(out) if r["test"] in ("planted", "passcode")} >= {"triattention"}
+
+
+def test_parts_without_cost_print_a_verdict(selectors, tiny_dir, tmp_path, capsys):
+    """Without the cost part (--skip cost, --only keeplog) the verdict prints no cost line instead of reading a cost
+    ratio from the keep-set rows, which share the descriptive list and have none."""
+    out = tmp_path / "no-cost"
+    assert _challenge("--policy", "challengers:random_again", "--model", tiny_dir, "--quick", "--out", str(out),
+                      "--only", "keeplog") == 0
+    text = capsys.readouterr().out
+    assert "challengers:random_again vs random" in text and "cost relative to Random" not in text
+    extra = _verdict_rows(out, "descriptive.csv")
+    assert {r["test"] for r in extra} == {"keep-sets"}
