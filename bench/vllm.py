@@ -28,7 +28,6 @@ total tokens per CPU second, which other load on the machine disturbs less than 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -37,7 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+from bench.common import BenchBase, hidden, parse, result_path
+from probes.config import POSITIVE, PROBABILITY, ConfigError, eviction, option
 
 DEFAULT_MODEL = Path.home() / ".cache" / "randattn" / "smollm2-135m"
 ARMS = ("vllm full", "vllm random", "hf random")
@@ -167,37 +171,57 @@ def worker(argv: list[str]) -> int:
 
 
 # -- the driver ---------------------------------------------------------------------------------------------------
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=16, help="requests (default 16)")
-    p.add_argument("--new-tokens", type=int, default=1024, help="new tokens per request (default 1024)")
-    p.add_argument("--budget", type=int, default=256, help="T (default 256)")
-    p.add_argument("--buffer", type=int, default=32, help="r (default 32)")
-    p.add_argument("--block-size", type=int, default=32, help="vLLM block size, a multiple of 32 on CPU (default 32)")
-    p.add_argument("--blocks", type=int, default=None,
-                   help="KV pool in blocks, the same for both vLLM arms (default: what 4 full-attention requests need)")
-    p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 4, 16],
-                   help="HF engine batch sizes (the first b requests each; default 1 4 16; none: skip the HF arm)")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms to run (default all)")
-    p.add_argument("--dtype", default="float32", help="vLLM dtype (default float32, as the HF arm)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads of every arm (default 2)")
-    p.add_argument("--memory-utilization", type=float, default=0.3,
-                   help="vLLM gpu_memory_utilization (on CPU: the share of RAM it may reserve; default 0.3)")
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF model folder (default: the embedded model's "
-                   "converted folder, %(default)s)")
-    p.add_argument("--out", default="data/results/bench/vllm.json", help="result file (default %(default)s)")
-    args = p.parse_args(argv)
-    for name in ("requests", "new_tokens", "budget", "buffer", "block_size", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be a positive integer, got {getattr(args, name)}")
-    if args.block_size % 32:
-        p.error(f"--block-size {args.block_size}: vLLM's CPU attention takes multiples of 32; use 32, 64, ...")
-    if any(b < 1 or b > args.requests for b in args.hf_batches):
-        p.error(f"--hf-batches {args.hf_batches}: each must be between 1 and --requests ({args.requests})")
-    if not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model}: no HF model folder there; make the embedded model's with the main env's "
-                "`python -c \"import randattn.models as m; m.converted_embedded(m.DEFAULT_MODEL)\"`")
-    return args
+def _model_folder(value) -> Optional[str]:
+    """``--model``'s check: an HF model folder (vLLM and the HF arm load the same files)."""
+    if (Path(value) / "config.json").is_file():
+        return None
+    return (f"{value}: no HF model folder there; make the embedded model's with the main env's "
+            "`python -c \"import randattn.models as m; m.converted_embedded(m.DEFAULT_MODEL)\"`")
+
+
+def _block_size(value) -> Optional[str]:
+    return POSITIVE(value) or (None if value % 32 == 0 else
+                               f"{value}: vLLM's CPU attention takes multiples of 32; use 32, 64, ...")
+
+
+def _share(value) -> Optional[str]:
+    return None if PROBABILITY(value) is None and value > 0 else f"must be a number in (0, 1], got {value!r}"
+
+
+@dataclass
+@eviction(budget=256, buffer=32)
+class Config(BenchBase):
+    """vLLM full attention vs vLLM + Random at the same KV memory, and the HF engine at the same setting: Random's
+    T and r (``--budget``, ``--buffer``) from their one definition, the rest this benchmark's own."""
+
+    model: str = option(str(DEFAULT_MODEL), "HF model folder (default: the embedded model's converted folder)",
+                        check=_model_folder, metavar="FOLDER")
+    device: str = hidden("auto")  # the device is vLLM's platform: the CPU build here
+    seed: int = hidden(0)  # the plugin's and the HF arm's draws: seed 0, a key per request
+    out: str = result_path("data/results/bench/vllm.json")
+    requests: int = option(16, "requests", check=POSITIVE)
+    new_tokens: int = option(1024, "new tokens per request", check=POSITIVE)
+    block_size: int = option(32, "vLLM block size, a multiple of 32 on CPU", check=_block_size)
+    blocks: Optional[int] = option(None, "KV pool in blocks, the same for both vLLM arms (default: what 4 "
+                                         "full-attention requests need)", check=POSITIVE)
+    hf_batches: tuple[int, ...] = option((1, 4, 16), "HF engine batch sizes (the first b requests each; --arms "
+                                                     "without 'hf random' skips the HF arm)")
+    arms: tuple[str, ...] = option(ARMS, "arms to run", choices=ARMS)
+    dtype: str = option("float32", "vLLM dtype (float32, as the HF arm)")
+    threads: int = option(2, "CPU threads of every arm", check=POSITIVE)
+    memory_utilization: float = option(0.3, "vLLM gpu_memory_utilization (on CPU: the share of RAM it may reserve)",
+                                       check=_share)
+
+    def check(self) -> None:
+        self.check_eviction()
+        bad = [b for b in self.hf_batches if not 1 <= b <= self.requests]
+        if bad:
+            raise ConfigError("hf_batches", f"{list(self.hf_batches)}: each must be between 1 and --requests "
+                                            f"({self.requests})")
+
+
+def parse_args(argv) -> Config:
+    return parse(Config, argv, __doc__.splitlines()[0])[1]
 
 
 def _arm(arm: str, case: dict, tmp: Path, threads: int) -> list[dict]:
@@ -239,7 +263,7 @@ def main(argv=None) -> int:
     case = {"model": args.model, "prompts": prompts, "new_tokens": args.new_tokens, "budget": args.budget,
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks,
             "max_model_len": -(-longest // args.block_size) * args.block_size, "threads": args.threads,
-            "memory_utilization": args.memory_utilization, "hf_batches": args.hf_batches, "dtype": args.dtype}
+            "memory_utilization": args.memory_utilization, "hf_batches": list(args.hf_batches), "dtype": args.dtype}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arm in args.arms:
@@ -280,8 +304,8 @@ def main(argv=None) -> int:
             **provenance(), "requests": args.requests, "new_tokens": args.new_tokens, "budget": args.budget,
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks, "full_blocks_per_request":
             full_blocks, "capped_blocks_per_request": cap_blocks, "max_model_len": case["max_model_len"],
-            "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))], "hf_batches": args.hf_batches,
-            "arms": args.arms}
+            "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))], "hf_batches": list(args.hf_batches),
+            "arms": list(args.arms)}
     write_results(args.out, meta, rows)
     print(f"wrote {args.out}")
     return 0

@@ -186,3 +186,46 @@ def test_a_benchmark_runs_from_a_config_file(tiny_dir, tmp_path):
     data = json.loads(out.read_text())
     assert (data["meta"]["budget"], data["meta"]["buffer"], data["meta"]["new_tokens"]) == (80, 8, 40)
     assert [(r["policy"], r["batch"], r["budget"]) for r in data["rows"]] == [("random", 2, 80)]
+
+
+@pytest.fixture()
+def model_folder(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # what bench.vllm checks for: an HF model folder
+    return str(folder)
+
+
+def test_the_vllm_benchmark_reads_the_same_layers(model_folder, tmp_path):
+    """bench.vllm (run in the plugin's environment) parses into a Config of the same parser: the old flags'
+    defaults, a TOML file under the flags."""
+    defaults = _parse("vllm", ["--model", model_folder])
+    assert {k: getattr(defaults, k) for k in ("requests", "new_tokens", "budget", "buffer", "block_size", "blocks",
+                                              "hf_batches", "arms", "dtype", "threads", "memory_utilization", "out")} \
+        == dict(requests=16, new_tokens=1024, budget=256, buffer=32, block_size=32, blocks=None, hf_batches=(1, 4, 16),
+                arms=("vllm full", "vllm random", "hf random"), dtype="float32", threads=2, memory_utilization=0.3,
+                out="data/results/bench/vllm.json")
+    path = tmp_path / "vllm.toml"
+    path.write_text(f'model = "{model_folder}"\nrequests = 4\nhf_batches = [2]\nblocks = 40\narms = ["vllm random"]\n')
+    config = _parse("vllm", ["--config", str(path), "--blocks", "48"])
+    assert (config.requests, config.hf_batches, config.blocks, config.arms) == (4, (2,), 48, ("vllm random",))
+    shipped = ("--requests 16 --new-tokens 1024 --budget 256 --buffer 32 --block-size 32 --blocks 140 --hf-batches 1 "
+               "4 16 --threads 2").split()  # the shipped table's command (docs/benchmarks.md)
+    assert _parse("vllm", [*shipped, "--model", model_folder]).blocks == 140
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block-size", "40"], "--block-size: 40: vLLM's CPU attention takes multiples of 32"),
+    (["--block-size", "0"], "--block-size: must be a positive integer, got 0"),
+    (["--requests", "2", "--hf-batches", "1", "4"], "--hf-batches: [1, 4]: each must be between 1 and --requests (2)"),
+    (["--memory-utilization", "0"], "--memory-utilization: must be a number in (0, 1], got 0"),
+    (["--arms", "sglang"], "argument --arms: invalid choice: 'sglang'"),
+    (["--budget", "32"], "--budget: T=32 must exceed the recent window r=32"),
+    (["--model", "/nowhere"], "--model: /nowhere: no HF model folder there"),
+])
+def test_the_vllm_benchmarks_bad_values_name_the_flag(flags, message, model_folder, capsys):
+    argv = ["--model", model_folder, *flags] if "--model" not in flags else flags
+    with pytest.raises(SystemExit) as exc:
+        _parse("vllm", argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "Traceback" not in err, err
