@@ -179,9 +179,19 @@ def _model_folder(value) -> Optional[str]:
             "`python -c \"import randattn.models as m; m.converted_embedded(m.DEFAULT_MODEL)\"`")
 
 
+def model_folder():
+    """The vLLM benchmarks' ``--model``: an HF model folder, by default the embedded model's converted one."""
+    return option(str(DEFAULT_MODEL), "HF model folder (default: the embedded model's converted folder)",
+                  check=_model_folder, metavar="FOLDER")
+
+
 def _block_size(value) -> Optional[str]:
     return POSITIVE(value) or (None if value % 32 == 0 else
                                f"{value}: vLLM's CPU attention takes multiples of 32; use 32, 64, ...")
+
+
+def block_size_option():
+    return option(32, "vLLM block size, a multiple of 32 on CPU", check=_block_size)
 
 
 def _share(value) -> Optional[str]:
@@ -194,14 +204,13 @@ class Config(BenchBase):
     """vLLM full attention vs vLLM + Random at the same KV memory, and the HF engine at the same setting: Random's
     T and r (``--budget``, ``--buffer``) from their one definition, the rest this benchmark's own."""
 
-    model: str = option(str(DEFAULT_MODEL), "HF model folder (default: the embedded model's converted folder)",
-                        check=_model_folder, metavar="FOLDER")
+    model: str = model_folder()
     device: str = hidden("auto")  # the device is vLLM's platform: the CPU build here
     seed: int = hidden(0)  # the plugin's and the HF arm's draws: seed 0, a key per request
     out: str = result_path("data/results/bench/vllm.json")
     requests: int = option(16, "requests", check=POSITIVE)
     new_tokens: int = option(1024, "new tokens per request", check=POSITIVE)
-    block_size: int = option(32, "vLLM block size, a multiple of 32 on CPU", check=_block_size)
+    block_size: int = block_size_option()
     blocks: Optional[int] = option(None, "KV pool in blocks, the same for both vLLM arms (default: what 4 "
                                          "full-attention requests need)", check=POSITIVE)
     hf_batches: tuple[int, ...] = option((1, 4, 16), "HF engine batch sizes (the first b requests each; --arms "

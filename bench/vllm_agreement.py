@@ -26,15 +26,39 @@ kept positions of every KV head) is equal. Run from the repository root with the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.vllm import DEFAULT_MODEL, hf_generation, make_prompts, request_key, vllm_sampling
+from bench.common import BenchBase, hidden, parse, result_path
+from bench.vllm import hf_generation, make_prompts, model_folder, request_key, vllm_sampling
+from probes.config import POSITIVE, eviction, option
+
+ARMS = ("bs32", "bs128", "bs32-preempt", "bench")
+
+
+@dataclass
+@eviction(budget=256, buffer=32)
+class Config(BenchBase):
+    """The agreement run's settings: the benchmark's T and r, its requests, the pools of the preempting and the
+    benchmark arm (read by the probes' layered parser: defaults, ``--config FILE.toml``, flags)."""
+
+    model: str = model_folder()
+    device: str = hidden("auto")  # vLLM's platform: the CPU build here
+    seed: int = hidden(0)  # the benchmark's seed 0, a key per request
+    out: str = result_path("data/results/bench/vllm_agreement.json")
+    requests: int = option(2, "the benchmark's first requests compared", check=POSITIVE)
+    new_tokens: int = option(1024, "new tokens per request", check=POSITIVE)
+    tiny_blocks: int = option(12, "pool of the preempting arm, block size 32", check=POSITIVE)
+    bench_blocks: int = option(140, "pool of the 'bench' arm (bench/vllm.py's)", check=POSITIVE)
+    arms: tuple[str, ...] = option(ARMS, "vLLM arms; 'bench': all 16 of the benchmark's requests in one engine, "
+                                         "block size 32, its pool (only the first --requests are compared)",
+                                   choices=ARMS)
+    no_generate: bool = option(False, "skip the HF generate() run")
 
 
 def _top2(lp_row):
@@ -176,21 +200,7 @@ def main(argv=None) -> int:
         res = run_hf(case) if kind == "hf" else run_vllm(case)
         Path(out_path).write_text(json.dumps(res))
         return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--buffer", type=int, default=32)
-    p.add_argument("--tiny-blocks", type=int, default=12, help="pool of the preempting arm, block size 32")
-    p.add_argument("--bench-blocks", type=int, default=140, help="pool of the 'bench' arm (bench/vllm.py's)")
-    p.add_argument("--arms", nargs="+", default=["bs32", "bs128", "bs32-preempt", "bench"],
-                   choices=["bs32", "bs128", "bs32-preempt", "bench"],
-                   help="vLLM arms; 'bench': all 16 of the benchmark's requests in one engine, block size 32, "
-                        "its 140-block pool (only the first --requests are compared)")
-    p.add_argument("--no-generate", action="store_true", help="skip the HF generate() run")
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--out", default="data/results/bench/vllm_agreement.json")
-    args = p.parse_args(argv)
+    args = parse(Config, argv, __doc__.splitlines()[0])[1]
     from transformers import AutoTokenizer
 
     from bench.common import provenance, write_results
@@ -243,7 +253,7 @@ def main(argv=None) -> int:
     meta = {"model": args.model, "dtype": "torch.float32", "vllm": vllm.__version__, "torch": torch.__version__,
             "threads": int(os.environ.get("OMP_NUM_THREADS", "1")), **provenance(), "requests": args.requests,
             "new_tokens": args.new_tokens, "budget": args.budget, "buffer": args.buffer,
-            "tiny_blocks": args.tiny_blocks, "bench_blocks": args.bench_blocks, "arms": args.arms,
+            "tiny_blocks": args.tiny_blocks, "bench_blocks": args.bench_blocks, "arms": list(args.arms),
             "preemptions": {a: v["preemptions"] for a, v in vls.items()},
             "prompt_lengths": [len(p) for p in prompts]}
     write_results(args.out, meta, rows)

@@ -27,7 +27,6 @@ before a change, with the same command). Results go to ``data/results/bench/vllm
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pstats
@@ -35,10 +34,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+from bench.common import BenchBase, hidden, parse
+from bench.vllm import ARMS, block_size_option, make_prompts, model_folder
+from probes.config import POSITIVE, eviction, option
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "data" / "results" / "bench" / "vllm_profile.json"
+
+
+@dataclass
+@eviction(budget=256, buffer=32)
+class Config(BenchBase):
+    """One vLLM arm of bench.vllm under cProfile (read by the probes' layered parser: defaults, ``--config
+    FILE.toml``, flags)."""
+
+    model: str = model_folder()
+    device: str = hidden("auto")  # vLLM's platform: the CPU build here
+    seed: int = hidden(0)  # the benchmark's seed 0, a key per request
+    out: str = option(str(OUT), "the profile record (JSON; an entry of the same arm, sizes and revision is replaced)",
+                      metavar="FILE")
+    arm: str = option("vllm random", "the vLLM arm profiled", choices=ARMS[:2])
+    requests: int = option(16, "requests", check=POSITIVE)
+    new_tokens: int = option(512, "new tokens per request", check=POSITIVE)
+    block_size: int = block_size_option()
+    blocks: int = option(140, "KV pool in blocks (bench.vllm's run)", check=POSITIVE)
+    threads: int = option(1, "CPU threads of the profiled process", check=POSITIVE)
+    case: Optional[str] = option(None, "a bench.vllm case file to run instead of building one (its sizes are used)",
+                                 metavar="FILE")
+    from_profile: Optional[str] = option(None, "split this cProfile file instead of running (give --revision)",
+                                         metavar="FILE")
+    revision: Optional[str] = option(None, "the revision to name (default: git HEAD, +dirty if randattn/vllm "
+                                           "changed)")
+    note: str = option("", "a note kept with the entry")
+    keep_profile: Optional[str] = option(None, "copy the cProfile file here", metavar="FILE")
 
 
 def _find(stats: pstats.Stats, path_end: str, func: str) -> dict:
@@ -117,8 +149,6 @@ def _case(args) -> dict:
         return json.loads(Path(args.case).read_text())
     from transformers import AutoTokenizer
 
-    from bench.vllm import make_prompts
-
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = make_prompts(tok, args.requests)
     longest = max(map(len, prompts)) + args.new_tokens
@@ -137,23 +167,7 @@ def _record(entry: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", default="vllm random", choices=("vllm random", "vllm full"))
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=512)
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--buffer", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=140, help="KV pool in blocks (default 140, bench.vllm's run)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--model", default=str(Path.home() / ".cache" / "randattn" / "smollm2-135m"))
-    p.add_argument("--case", help="a bench.vllm case file to run instead of building one (its sizes are used)")
-    p.add_argument("--from-profile", help="split this cProfile file instead of running (give --revision)")
-    p.add_argument("--revision", help="the revision to name (default: git HEAD, +dirty if randattn/vllm changed)")
-    p.add_argument("--note", default="", help="a note kept with the entry")
-    p.add_argument("--keep-profile", help="copy the cProfile file here")
-    p.add_argument("--out", default=str(OUT))
-    args = p.parse_args(argv)
+    args = parse(Config, argv, __doc__.splitlines()[0])[1]
     case = _case(args)
     entry = {"arm": args.arm, "requests": len(case["prompts"]), "new_tokens": case["new_tokens"],
              "budget": case["budget"], "buffer": case["buffer"], "block_size": case["block_size"],

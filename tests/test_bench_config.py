@@ -229,3 +229,27 @@ def test_the_vllm_benchmarks_bad_values_name_the_flag(flags, message, model_fold
         _parse("vllm", argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_the_vllm_diagnostics_read_the_same_layers(model_folder, tmp_path, capsys):
+    """bench.vllm_agreement and bench.vllm_profile: the old flags' defaults, a TOML file under the flags, errors
+    naming the flag (bench.vllm_smoke, a standalone check of the vLLM environment, keeps plain argparse)."""
+    agreement = _parse("vllm_agreement", ["--model", model_folder])
+    assert (agreement.requests, agreement.new_tokens, agreement.budget, agreement.buffer, agreement.tiny_blocks,
+            agreement.bench_blocks, agreement.arms, agreement.no_generate) == \
+        (2, 1024, 256, 32, 12, 140, ("bs32", "bs128", "bs32-preempt", "bench"), False)
+    profile = _parse("vllm_profile", ["--model", model_folder])
+    assert (profile.arm, profile.requests, profile.new_tokens, profile.block_size, profile.blocks, profile.threads,
+            profile.case, profile.from_profile, profile.note) == ("vllm random", 16, 512, 32, 140, 1, None, None, "")
+    path = tmp_path / "profile.toml"
+    path.write_text(f'model = "{model_folder}"\narm = "vllm full"\nnew_tokens = 64\n')
+    profile = _parse("vllm_profile", ["--config", str(path), "--new-tokens", "32"])
+    assert (profile.arm, profile.new_tokens) == ("vllm full", 32)
+    path.write_text(f'model = "{model_folder}"\ntiny_blocks = 0\n')
+    with pytest.raises(SystemExit) as exc:
+        _parse("vllm_agreement", ["--config", str(path)])
+    assert exc.value.code == 2 and "--tiny-blocks: must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        _parse("vllm_profile", ["--model", model_folder, "--block-size", "48"])
+    assert exc.value.code == 2 and "--block-size: 48: vLLM's CPU attention takes multiples of 32" in \
+        capsys.readouterr().err
