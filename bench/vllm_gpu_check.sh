@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM plugin on a CUDA machine (issue 26, item 6): install the CUDA build of vLLM 0.32.0 into its own venv, then
+# The vLLM plugin on a CUDA machine (issue 26, item 7): install the CUDA build of vLLM 0.32.0 into its own venv, then
 # run the vLLM test tier and the benchmark there. NOT RUN YET: no GPU was available while the plugin was written.
 #
 #     bash bench/vllm_gpu_check.sh            # from the repository root, on a machine with one NVIDIA GPU
@@ -37,5 +37,5 @@ EOF
 RANDATTN_VLLM_PYTHON="$VENV/bin/python" python -m pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_memory.py || true
 # 3. The benchmark's full-attention arm on the GPU in bf16 (FlashAttention takes no fp32; the random arm is refused
 #    on CUDA, see 1; the HF arm is left out: it would run on the CPU).
-"$VENV/bin/python" -m bench.vllm --arms "vllm full" --hf-batches --dtype bfloat16 --out "$OUT"
+"$VENV/bin/python" -m bench.vllm --arms "vllm full" --dtype bfloat16 --out "$OUT"
 echo "wrote $OUT"
