@@ -236,14 +236,17 @@ def test_the_shipped_board_is_resumed_by_its_command_with_nothing_pending(embedd
     folder = result_path(shipped_name("leaderboard", "folder"))
     config = config.replace(root=str(folder))
     plan = leaderboard.plan(config, ModelInfo.loaded(randattn.DEFAULT_MODEL, *embedded))
-    assert plan.then is None and plan.units
+    assert plan.units and plan.then is not None  # the repeat task's policies: a second stage, T from full attention
     pending = []
     mine = lambda c: {k: v for k, v in c.items() if k not in INFORMATIONAL}  # noqa: E731
-    for o in plan.outputs:  # the rows read as the local backend reads them (no file is opened for writing)
-        rows = _rows(Path(o.path))
-        assert all(mine(r["config"]) == mine(o.config) for r in rows), o.path  # the same configuration: resumed
-        done = {tuple(r[k] for k in o.key) for r in rows}
-        pending += [u.label for u in plan.units if u.output == o.path and u.pending(done, o.key) is not None]
+    rows = {o.path: _rows(Path(o.path)) for o in plan.outputs}  # read as the local backend reads them (no writes)
+    stage = plan.then(rows)
+    assert stage.units and stage.then is None
+    for o in plan.outputs:
+        assert all(mine(r["config"]) == mine(o.config) for r in rows[o.path]), o.path  # the same configuration
+        done = {tuple(r[k] for k in o.key) for r in rows[o.path]}
+        pending += [u.label for u in plan.units + stage.units
+                    if u.output == o.path and u.pending(done, o.key) is not None]
     assert pending == []
 
 
