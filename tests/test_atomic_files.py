@@ -33,9 +33,15 @@ SIGNALS = [signal.SIGKILL, signal.SIGTERM, signal.SIGINT]
 TABLE = [{"condition": c, "n": 8, "retrieval": 0.5, "mean_lp": -1.0} for c in "abcdefghijk"]  # an 11-row summary
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C's default action. A shell starts background jobs with SIGINT ignored, and a Python started
+    so never installs its KeyboardInterrupt handler: the SIGINT cases would then wait out the slow write."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(code: str, cwd: Path, slow: float = 30) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env={**ENV, SLOW_ENV: str(slow)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_interruptible)
 
 
 def _interrupt_mid_write(proc: subprocess.Popen, target: Path, sig: int, timeout: float = 60) -> None:
@@ -123,7 +129,7 @@ def test_python_m_figures_interrupted_leaves_the_previous_figure(tmp_path, sig, 
     before = {p.name: p.read_bytes() for p in figs.iterdir()}
     assert len(before) == 2 and all(before.values())
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, SLOW_ENV: "30"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_interruptible)
     _interrupt_mid_write(proc, png, sig)
     _no_temporaries(figs)
     assert {p.name: p.read_bytes() for p in figs.iterdir()} == before  # no PNG left at 0 bytes
