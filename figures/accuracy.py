@@ -119,7 +119,7 @@ def plot(rows: list[dict], out_dir=None, name: str = "accuracy", *, problems: Op
     c = rows[0]["config"]
     n_prob = len({r["problem"] for r in rows})
     n_runs = len({r["run"] for r in rows})
-    fig.suptitle(f"Accuracy under eviction: {Path(str(c['model'])).name}, {c['task']}, r={c['buffer']}; {n_prob} "
+    fig.suptitle(f"Accuracy under eviction: {style.model_label(c['model'])}, {c['task']}, r={c['buffer']}; {n_prob} "
                  f"problems x up to {n_runs} runs\n95% bootstrap CIs over problems; * = significant vs random "
                  "(paired CI and sign test)", fontsize=10)
     fig.tight_layout()

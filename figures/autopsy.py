@@ -41,6 +41,7 @@ def plot(rows: list[dict], out_dir=None, name: str = "autopsy", max_panels: int 
         ax.legend(fontsize=7, loc="lower left")
         ax.grid(False)
     cfg = shown[0]["config"]
-    fig.suptitle(f"Eviction autopsy: {cfg['model']}, {cfg['task']}, K={cfg['budget']}, r={cfg['buffer']}", fontsize=10)
+    fig.suptitle(f"Eviction autopsy: {style.model_label(cfg['model'])}, {cfg['task']}, K={cfg['budget']}, "
+                 f"r={cfg['buffer']}", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

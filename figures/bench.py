@@ -43,7 +43,7 @@ def plot_decode(data: dict, out_dir=None, name: str = "bench_decode") -> list[Pa
         ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
         ax.set_ylabel(ylabel)
     axes[1].legend(fontsize=8, loc="upper right")  # the KV panel has room above the evicting caches
-    fig.suptitle(f"Decoding {meta['new_tokens']} new tokens: {meta['model']} on {meta['device']} "
+    fig.suptitle(f"Decoding {meta['new_tokens']} new tokens: {style.model_label(meta['model'])} on {meta['device']} "
                  f"({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}; "
                  f"{meta.get('repeats', 1)} repeat(s)", fontsize=10)
     fig.tight_layout()
@@ -95,8 +95,9 @@ def plot_batch_scaling(data: dict, out_dir=None, name: str = "bench_batch_scalin
         ax.set_xlabel("batch size")
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{meta['new_tokens']} new tokens, K={meta['budget']}, r={meta['buffer']}: {meta['model']} on "
-                 f"{meta['device']} ({meta.get('torch_threads', '?')} threads), {meta['dtype'].replace('torch.', '')}",
+    fig.suptitle(f"{meta['new_tokens']} new tokens, K={meta['budget']}, r={meta['buffer']}: "
+                 f"{style.model_label(meta['model'])} on {meta['device']} ({meta.get('torch_threads', '?')} threads), "
+                 f"{meta['dtype'].replace('torch.', '')}",
                  fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

@@ -30,7 +30,7 @@ def plot(table: list[dict], out_dir=None, name: str = "prompt_protection") -> li
     ax.set_ylim(0, 1.12)
     ax.legend(fontsize=8, loc="lower right")
     r0 = rows[0]
-    fig.suptitle(f"Prompt protection: {r0['model']}, K={r0['budget']}, r={r0['buffer']}; n={r0['n']}; "
-                 "numbers: paired gain with 95% CI", fontsize=10)
+    fig.suptitle(f"Prompt protection: {style.model_label(r0['model'])}, K={r0['budget']}, r={r0['buffer']}; "
+                 f"n={r0['n']}; numbers: paired gain with 95% CI", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

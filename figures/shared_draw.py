@@ -33,7 +33,7 @@ def plot(table: list[dict], out_dir=None, name: str = "shared_draw") -> list[Pat
         if not sel:
             ax.text(0.5, 0.5, "not run", ha="center", transform=ax.transAxes)
     r0 = rows[0]
-    fig.suptitle(f"Random: one draw shared by all KV heads vs a draw per head; {r0['model']}, K={r0['budget']}, "
-                 f"r={r0['buffer']}; 95% bootstrap CIs", fontsize=10)
+    fig.suptitle(f"Random: one draw shared by all KV heads vs a draw per head; {style.model_label(r0['model'])}, "
+                 f"K={r0['budget']}, r={r0['buffer']}; 95% bootstrap CIs", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

@@ -20,9 +20,17 @@ def apply() -> None:
                   rc={"axes.titleweight": "bold", "figure.dpi": 110, "savefig.bbox": "tight"})
 
 
+def model_label(name) -> str:
+    """The model as a title names it: the base name of what ``--model`` gave (a local folder's or GGUF file's name,
+    not its whole path; a hub id's name after its organisation, ``Qwen/Qwen3-4B`` -> ``Qwen3-4B``; the embedded name
+    as it is)."""
+    text = str(name).rstrip("/\\")
+    return Path(text).name or text
+
+
 def geometry(config: dict) -> str:
     """``model, K=.., r=.., distance ..`` for titles and captions."""
-    parts = [f"{config['model']}", f"K={config['budget']}", f"r={config['buffer']}"]
+    parts = [model_label(config["model"]), f"K={config['budget']}", f"r={config['buffer']}"]
     if "distance" in config:
         parts.append(f"distance {config['distance']}")
     parts.append(f"background: {config['policy']}{' + prompt' if config.get('protect_prompt') else ''}")

@@ -64,8 +64,8 @@ def plot(rows: list[dict], out_dir=None, *, policies: Optional[Sequence[str]] = 
     fig.legend(handles + h2[-1:], labels + l2[-1:], loc="lower center", ncol=min(6, len(labels) + 1), fontsize=8,
                bbox_to_anchor=(0.5, -0.01), frameon=False)
     n = max(p.n for p in pooled.values())
-    fig.suptitle(f"Keep-log survival: {config['model']}, K={config['budget']}, r={config['buffer']}, "
-                 f"{config['rounds']} rounds, {n} sequences of real traces (positions written after the first "
-                 f"round)", fontsize=11)
+    fig.suptitle(f"Keep-log survival: {style.model_label(config['model'])}, K={config['budget']}, "
+                 f"r={config['buffer']}, {config['rounds']} rounds, {n} sequences of real traces (positions written "
+                 f"after the first round)", fontsize=11)
     fig.tight_layout(rect=(0, 0.07 / len(mode_list), 1, 1))
     return style.save(fig, name, out_dir)

