@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import sys
 from typing import Optional
 
@@ -79,8 +80,10 @@ def _integer(key: str, value, *, minimum: int, example: int, below: Optional[int
     if value is None and optional:
         return None
     parsed = value
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
         parsed = int(value.strip())
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        parsed = int(value)  # numpy integers too
     if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < minimum or (below is not None
                                                                                       and parsed >= below):
         span = f"in [{minimum}, {'2**64' if below == 2**64 else below})" if below is not None else f">= {minimum}"

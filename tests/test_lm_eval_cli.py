@@ -120,6 +120,7 @@ def test_protect_prompt_off_really_runs_unprotected(tiny_dirs):
     ("max_batch_size=zero", "--model_args max_batch_size='zero'"),
     ("seed=1.5", "--model_args seed=1.5: not an integer in [0, 2**64)"),
     ("seed=true", "--model_args seed=True"),
+    ("seed=²", "--model_args seed='²'"),  # str.isdigit() says yes; int() says no
 ])
 def test_a_non_integer_is_refused_with_the_key(args, needle):
     with pytest.raises(ValueError) as err:
