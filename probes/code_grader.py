@@ -9,26 +9,36 @@ grading refuses (:class:`SandboxUnavailable`, with the install command ``apt-get
 ``unsafe=True`` (``--unsafe-code-grading``): then programs run as plain limited subprocesses, without isolation.
 
 Verdicts per test: ``pass``, ``wrong_answer``, ``error`` (an exception, a refused operation, the memory or output
-limit) and ``timeout`` (the wall-clock or CPU limit), each with a one-line detail.
+limit, a kill by a signal) and ``timeout`` (the wall-clock or CPU limit), each with a one-line detail naming what
+happened (the wall clock, SIGXCPU, signal N, the OOM killer, MemoryError).
 
-Test kinds (LiveCodeBench's ``testtype``): ``stdin`` feeds ``input`` on standard input and compares standard
-output with ``output`` line by line, whitespace-separated tokens, numbers within 1e-6; ``functional`` calls
+Test kinds (LiveCodeBench's ``testtype``) and their comparison, LiveCodeBench's own (``lcb_runner/evaluation/
+testing_util.py``): ``stdin`` feeds ``input`` on standard input; standard output and ``output`` are each stripped
+and split at ``"\\n"``, each line stripped; the line counts must agree, and each line must be the same text or
+else the same numbers: every whitespace-separated token a ``decimal.Decimal``, compared exactly (``7.0`` is ``7``;
+``1000001`` is not ``1000000``; no tolerance, for floats either). ``functional`` calls
 ``Solution().<fn_name>(*args)`` with the arguments given one JSON value per line of ``input`` (fed on standard
-input to a small runner in the sandbox) and compares the JSON it prints with the JSON ``output``.
+input to a small runner in the sandbox); its result comes back as JSON and must be ``==`` to the JSON ``output``
+(Python's equality: ``7.0 == 7``, ``True == 1``). A deliberate difference: the result crosses the sandbox as JSON,
+so tuples nested inside it count as lists and dict keys as strings (LiveCodeBench, in process, turns only a
+top-level tuple into a list), and an int of more than 4,300 digits is an error (Python's int-string limit).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import signal
 from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from itertools import chain, starmap, zip_longest
+from operator import eq
 from typing import Optional, Sequence
 
 from .sandbox import INSTALL, Limits, SandboxUnavailable, run_python, unavailable
 
-__all__ = ["TestResult", "run_tests", "run_test", "extract_program", "outputs_match", "network_isolation",
+__all__ = ["TestResult", "run_tests", "run_test", "extract_program", "outputs_match", "output_difference",
+           "network_isolation",
            "SandboxUnavailable", "INSTALL"]
 
 VERDICTS = ("pass", "wrong_answer", "error", "timeout")
@@ -65,40 +75,51 @@ def network_isolation() -> str:
     return "none" if unavailable() else "namespace"
 
 
-def _tokens(text: str) -> list[list[str]]:
-    lines = [line.split() for line in text.strip().splitlines()]
-    while lines and not lines[-1]:
-        lines.pop()
-    return lines
+def _blocks(text: str, size: int = 1 << 18):
+    """``text`` in pieces of about ``size`` characters, each cut after a ``"\\n"`` (and the last one)."""
+    start = 0
+    while (end := text.find("\n", start + size)) >= 0:
+        yield text[start:end]
+        start = end + 1
+    yield text[start:]
 
 
-def _same_value(a, b) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-    return a == b
+def _lines(text: str):
+    """LiveCodeBench's lines of ``text`` (stripped, split at "\\n", each stripped), a block's list at a time: a long
+    output of short lines costs no list of them all (each str is about 50 bytes more than its text)."""
+    return chain.from_iterable(map(str.strip, block.split("\n")) for block in _blocks(text.strip()))
+
+
+def _tokens(line: str):
+    return line.split() if len(line) < 1 << 16 else (m.group() for m in re.finditer(r"\S+", line))  # str.split's \s
+
+
+def _same_numbers(a: str, b: str) -> bool:
+    """Every token of both lines a number (``decimal.Decimal``) and the numbers equal, one by one."""
+    try:
+        return all(starmap(eq, zip_longest(map(Decimal, _tokens(a)), map(Decimal, _tokens(b)))))
+    except InvalidOperation:  # not a number, or a signalling NaN compared (LiveCodeBench's comparison raises too)
+        return False
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def output_difference(got: str, expected: str) -> Optional[str]:
+    """None when standard output matches the expected (the module docstring's rule), else the first difference."""
+    n, m = got.strip().count("\n") + 1, expected.strip().count("\n") + 1
+    if n != m:
+        return f"printed {n} line(s), expected {m}"
+    for i, (a, b) in enumerate(zip(_lines(got), _lines(expected)), 1):
+        if a != b and not _same_numbers(a, b):
+            return f"line {i}: printed {_short(a)!r}, expected {_short(b)!r}"
+    return None
 
 
 def outputs_match(got: str, expected: str) -> bool:
-    """Standard output against the expected: the same lines of whitespace-separated tokens, numbers within 1e-6."""
-    a, b = _tokens(got), _tokens(expected)
-    if a == b:
-        return True
-    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
-        return False
-    for x, y in zip(a, b):
-        for s, t in zip(x, y):
-            if s == t:
-                continue
-            try:
-                if not math.isclose(float(s), float(t), rel_tol=1e-6, abs_tol=1e-6):
-                    return False
-            except ValueError:
-                return False
-    return True
+    """Standard output against the expected: LiveCodeBench's rule (the module docstring)."""
+    return output_difference(got, expected) is None
 
 
 def _last_line(text: str) -> str:
@@ -130,31 +151,46 @@ def _verdict(o, test: dict, kind: str, limits: Limits) -> TestResult:
         return TestResult("timeout", f"no answer within {limits.seconds:g} s wall-clock", o.seconds)
     if o.stopped == "output":
         return TestResult("error", f"output limit: more than {limits.output_mb} MiB printed", o.seconds)
-    out_text = o.stdout.decode("utf-8", errors="replace")
-    err_text = o.stderr.decode("utf-8", errors="replace")
     if o.status != 0:
-        if o.status in (128 + signal.SIGXCPU, 128 + signal.SIGKILL):
-            return TestResult("timeout", f"CPU-time limit ({limits.cpu_seconds} s)", o.seconds)
-        detail = _last_line(err_text) or f"exit status {o.status}"
-        if "MemoryError" in err_text:
-            detail = f"MemoryError: the memory limit of {limits.memory_mb} MiB was reached"
-        return TestResult("error", detail, o.seconds)
+        return _failure(o, limits)
+    out_text = o.stdout.decode("utf-8", errors="replace")
     if kind == "stdin":
-        ok = outputs_match(out_text, str(test.get("output", "")))
-        return TestResult("pass" if ok else "wrong_answer",
-                          "" if ok else f"printed {_last_line(out_text)!r}, expected {_last_line(str(test['output']))!r}",
-                          o.seconds)
+        why = output_difference(out_text, str(test.get("output", "")))
+        return TestResult("wrong_answer" if why else "pass", why or "", o.seconds)
     marker = out_text.rfind(RESULT_MARK)
     if marker < 0:
         return TestResult("error", "the function returned nothing readable", o.seconds)
+    expected = json.loads(test["output"]) if isinstance(test.get("output"), str) else test.get("output")
     try:
         got = json.loads(out_text[marker + len(RESULT_MARK):].strip())
-    except json.JSONDecodeError:
-        return TestResult("error", "the function's result is not JSON-serialisable", o.seconds)
-    expected = json.loads(test["output"]) if isinstance(test.get("output"), str) else test.get("output")
-    ok = _same_value(got, expected)
-    return TestResult("pass" if ok else "wrong_answer", "" if ok else f"returned {got!r}, expected {expected!r}",
-                      o.seconds)
+        ok = got == expected  # LiveCodeBench's rule: Python's equality
+    except (ValueError, RecursionError):  # not JSON, an int past Python's digit limit, nested too deep
+        return TestResult("error", "the function's result is not readable JSON", o.seconds)
+    return TestResult("pass" if ok else "wrong_answer",
+                      "" if ok else f"returned {_short(repr(got))}, expected {_short(repr(expected))}", o.seconds)
+
+
+def _failure(o, limits: Limits) -> TestResult:
+    """A run that ended with a non-zero status, labelled by what ended it."""
+    sig = o.status - 128 if o.status > 128 else 0  # bwrap and the unsafe supervisor report signal N as 128 + N
+    cpu = f"{o.cpu_seconds:.1f} s of CPU time"
+    if sig == signal.SIGXCPU:
+        return TestResult("timeout", f"CPU-time limit ({limits.cpu_seconds} s): SIGXCPU after {cpu}", o.seconds)
+    if sig == signal.SIGKILL and o.cpu_seconds >= limits.cpu_seconds:  # the limit's hard stop, SIGXCPU ignored
+        return TestResult("timeout", f"CPU-time limit ({limits.cpu_seconds} s): SIGKILL after {cpu}", o.seconds)
+    if sig == signal.SIGKILL and o.oom_kills:
+        return TestResult("error", "killed by the kernel's OOM killer (SIGKILL): the machine ran out of memory",
+                          o.seconds)
+    err_text = o.stderr.decode("utf-8", errors="replace")
+    if "MemoryError" in err_text:
+        return TestResult("error", f"MemoryError: the memory limit of {limits.memory_mb} MiB was reached", o.seconds)
+    if sig:
+        try:
+            name = f" ({signal.Signals(sig).name})"
+        except ValueError:
+            name = ""
+        return TestResult("error", f"killed by signal {sig}{name} after {o.seconds:.1f} s, {cpu}", o.seconds)
+    return TestResult("error", _last_line(err_text) or f"exit status {o.status}", o.seconds)
 
 
 def run_tests(program: str, tests: Sequence[dict], *, fn_name: Optional[str] = None, timeout: float = 6.0,

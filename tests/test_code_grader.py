@@ -2,14 +2,17 @@
 outside the sandbox, and the refusal where the sandbox is missing (the attacks: tests/test_sandbox_attacks.py)."""
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 
 from probes import sandbox
-from probes.code_grader import (SandboxUnavailable, extract_program, network_isolation, outputs_match, run_test,
-                                run_tests)
+from probes.code_grader import (SandboxUnavailable, _verdict, extract_program, network_isolation, output_difference,
+                                outputs_match, run_test, run_tests)
 from probes.tasks import code_problem, grade_code
+from tests.test_sandbox_attacks import processes_with
 
 
 @pytest.fixture
@@ -36,7 +39,9 @@ FUNCTIONAL = {"input": "[1, 2, 3]\n4", "output": "10", "testtype": "functional"}
 
 @pytest.mark.parametrize("name,program,verdict,detail", [
     ("good", "a, b = map(int, input().split())\nprint(a + b)\n", "pass", ""),
-    ("float output within 1e-6", "print(7.0000000001)\n", "pass", ""),
+    ("the same number written otherwise", "print(7.0)\n", "pass", ""),
+    # LiveCodeBench compares numbers exactly (tests/test_grader_numbers.py has its rule case by case)
+    ("a float off by 1e-10", "print(7.0000000001)\n", "wrong_answer", "printed '7.0000000001', expected '7'"),
     ("wrong answer", "a, b = map(int, input().split())\nprint(a * b)\n", "wrong_answer", "printed '12', expected '7'"),
     ("exception", "raise ValueError('boom')\n", "error", "ValueError: boom"),
     ("syntax error", "def f(:\n", "error", "SyntaxError"),
@@ -85,9 +90,8 @@ def test_the_network_is_cut(sandboxed):
 
 def test_without_bwrap_grading_is_refused_with_the_install_command_unless_unsafe(no_bwrap):
     assert network_isolation() == "none"
-    with pytest.raises(SandboxUnavailable, match="`bwrap` is not on PATH.*apt-get install bubblewrap.*"
-                                                 "--unsafe-code-grading"):
-        run_tests("print(7)\n", [STDIN])
+    with pytest.raises(SandboxUnavailable, match=r"`bwrap` is not on PATH; install it \(apt-get install bubblewrap\)$"):
+        run_tests("print(7)\n", [STDIN])  # the safe fix alone: the refusal does not point to the unsafe mode
     # unsafe: a plain limited subprocess, the same verdicts for ordinary programs
     good, wrong = "a, b = map(int, input().split())\nprint(a + b)\n", "print(8)\n"
     assert [r.verdict for r in run_tests(good, [STDIN], unsafe=True)] == ["pass"]
@@ -108,8 +112,72 @@ def test_the_accuracy_harness_refuses_a_code_task_before_loading_a_model(no_bwra
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "Traceback" not in err
     assert "--task: livecodebench runs the generated programs; grading code needs the bubblewrap sandbox" in err
-    assert "apt-get install bubblewrap" in err and "--unsafe-code-grading" in err
+    refusal = next(line for line in err.splitlines() if "--task:" in line)
+    assert "apt-get install bubblewrap" in refusal and "unsafe" not in refusal, refusal
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fault_in_the_sandbox_set_up_is_named_as_such_not_blamed_on_bwrap(monkeypatch):
+    """Issue 38: a venv under /tmp was hidden by the private /tmp, and the refusal said bubblewrap did not work and
+    offered the unsafe mode. A set-up fault now says so (here: the interpreter's folders left out of the sandbox)."""
+    if shutil.which("bwrap") is None:
+        pytest.skip(f"bubblewrap is not installed ({sandbox.INSTALL})")
+    monkeypatch.setattr(sandbox, "_python_dirs", lambda: [])
+    sandbox._probe.cache_clear()
+    try:
+        why = sandbox.unavailable()
+    finally:
+        monkeypatch.undo()
+        sandbox._probe.cache_clear()
+    assert why.startswith("grading code needs the bubblewrap sandbox, and it cannot run here: bwrap works, but a "
+                          "trivial program failed in the sandbox randattn builds for this Python"), why
+    assert "No such file or directory" in why and "unsafe" not in why and "install it" not in why, why
+
+
+def _sigkill(o_status=137, **kw):
+    return sandbox.Outcome(o_status, b"", b"", 0.5, **kw)
+
+
+def test_a_killed_program_is_labelled_by_what_killed_it(sandboxed):
+    """Issue 38: any SIGKILL read as `timeout: CPU-time limit`. The label now follows what happened."""
+    busy = "import os, time\nt = time.time()\nwhile time.time() - t < 0.3:\n    pass\n"
+    killed = run_test(busy + "os.kill(os.getpid(), 9)\n", STDIN)
+    assert killed.verdict == "error" and killed.detail.startswith("killed by signal 9 (SIGKILL) after 0."), killed
+    term = run_test("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", STDIN)
+    assert term.verdict == "error" and "killed by signal 15 (SIGTERM)" in term.detail, term
+    # the CPU limit for real: the program lowers its own (allowed), then spins past it
+    spin = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 2))\nwhile True:\n    pass\n"
+    cpu = run_test(spin, STDIN)
+    assert cpu.verdict == "timeout" and "SIGXCPU after 1." in cpu.detail and cpu.seconds < 6, cpu  # before the wall clock
+    # what cannot be staged here: the limit's hard stop (SIGKILL once the CPU time is past it), the OOM killer
+    limits = sandbox.Limits()
+    hard = _verdict(_sigkill(cpu_seconds=limits.cpu_seconds + 1.0), STDIN, "stdin", limits)
+    assert hard.verdict == "timeout" and hard.detail == "CPU-time limit (7 s): SIGKILL after 8.0 s of CPU time"
+    oom = _verdict(_sigkill(cpu_seconds=0.2, oom_kills=1), STDIN, "stdin", limits)
+    assert oom.verdict == "error" and oom.detail.startswith("killed by the kernel's OOM killer"), oom
+    assert _verdict(_sigkill(cpu_seconds=0.2), STDIN, "stdin", limits).detail.startswith("killed by signal 9")
+
+
+def test_the_unsafe_mode_kills_detached_descendants_too():
+    """Issue 38: unsafe mode killed the program's session alone, so a child that called setsid() outlived the
+    verdict. Its supervisor is now their subreaper, and they die at the program's end and at the wall clock."""
+    token = f"{os.getpid() % 1000 + 100}.{time.time_ns() % 10**6:06d}"
+    detach = (f"import os, subprocess\nsubprocess.Popen(['sleep', '{token}'], start_new_session=True, "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+              f"if os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sleep', ['sleep', '{token}'])\n")
+    try:
+        done = run_test(detach + "print(7)\n", STDIN, unsafe=True)
+        assert done.verdict == "pass" and done.seconds < 2, done
+        assert processes_with(token) == [], "a detached child outlived grading"
+        t0 = time.monotonic()
+        spun = run_test(detach + "while True:\n    pass\n", STDIN, timeout=2, unsafe=True)
+        assert spun.verdict == "timeout" and time.monotonic() - t0 < 3, spun
+        assert processes_with(token) == [], "a detached child outlived the wall clock"
+        killed = run_test("import os\nos.kill(os.getpid(), 9)\n", STDIN, unsafe=True)
+        assert killed.verdict == "error" and "killed by signal 9 (SIGKILL)" in killed.detail, killed
+    finally:
+        for pid in processes_with(token):
+            os.kill(pid, 9)
 
 
 def test_functional_tests_call_the_solution_method(sandboxed):
@@ -132,6 +200,8 @@ def test_run_tests_stops_at_the_first_failure(sandboxed):
 def test_output_comparison_and_extraction():
     assert outputs_match("1 2\n3\n\n", "1  2\n3")
     assert not outputs_match("1 2", "1 2 3") and not outputs_match("abc", "abd")
+    assert output_difference("1\n2\n3", "1\n2.0\n4") == "line 3: printed '3', expected '4'"
+    assert output_difference("1\n2", "1") == "printed 2 line(s), expected 1"
     assert extract_program("x\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```") == "print(2)\n"
     assert extract_program("no code here") is None
 

@@ -5,10 +5,13 @@ harness's memory and the wall clock (the limit holds within a second)."""
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -281,7 +284,7 @@ def test_the_program_gets_a_minimal_environment(monkeypatch):
     monkeypatch.setenv("RANDATTN_ATTACK_SECRET", "hunter2")
     o = run_inside("import os, json\nprint(json.dumps(dict(os.environ)))\n")
     env = json.loads(o.stdout)
-    assert sorted(env) == sorted([*sandbox.ENV, "PWD"]) and "hunter2" not in o.stdout.decode(), env
+    assert sorted(env) == sorted(sandbox.ENV) and "hunter2" not in o.stdout.decode(), env
 
 
 def test_killing_the_parent_or_everything_it_can_leaves_the_harness_running():
@@ -290,3 +293,131 @@ def test_killing_the_parent_or_everything_it_can_leaves_the_harness_running():
     r = run_test(program, STDIN)
     assert r.verdict in ("pass", "error"), r  # kill(-1) may take the program itself; the harness goes on
     assert run_test("print(7)\n", STDIN).verdict == "pass"
+
+
+# -- issue 38 ---------------------------------------------------------------------------------------------------
+MEMORY_OUTSIDE_THE_CAP = r"""
+import ctypes, json, os
+MiB, GOAL = 2**20, {goal}
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype, libc.shmat.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+chunk = b"x" * MiB
+reached, errors, fds = {{"memfd": 0, "sysv_shm": 0, "sysv_msg": 0}}, {{}}, []
+try:  # memfd files written, never mapped: the file-size limit caps each one, not how many
+    while reached["memfd"] < GOAL:
+        fds.append(os.memfd_create("m"))
+        for _ in range(8):
+            os.write(fds[-1], chunk)
+            reached["memfd"] += 1
+except OSError as e:
+    errors["memfd"] = e.strerror
+while reached["sysv_shm"] < GOAL:  # segments touched through a mapping, then unmapped: out of the address space
+    sid = libc.shmget(0, 16 * MiB, 0o1600)  # IPC_PRIVATE, IPC_CREAT
+    addr = libc.shmat(sid, None, 0) if sid >= 0 else None
+    if addr in (None, 2**64 - 1):
+        errors["sysv_shm"] = os.strerror(ctypes.get_errno())
+        break
+    ctypes.memset(addr, 1, 16 * MiB)
+    libc.shmdt(ctypes.c_void_p(addr))
+    reached["sysv_shm"] += 16
+msg = ctypes.create_string_buffer(8 + 8192)
+ctypes.memmove(msg, ctypes.byref(ctypes.c_long(1)), 8)
+sent = 0
+while sent < GOAL * MiB:  # message queues filled up (16 KiB each by default)
+    qid = libc.msgget(0, 0o1600)
+    if qid < 0:
+        errors["sysv_msg"] = os.strerror(ctypes.get_errno())
+        break
+    while sent < GOAL * MiB and libc.msgsnd(qid, msg, 8192, 0o4000) == 0:  # IPC_NOWAIT
+        sent += 8192
+reached["sysv_msg"] = sent // MiB
+print(json.dumps([reached, errors]))
+"""
+
+
+def test_memory_the_address_space_limit_does_not_count_is_refused():
+    """memfd files and SysV shared memory and message queues hold memory outside RLIMIT_AS (before: 1536 MiB of each
+    of memfd and shm and 500 MiB of queues under a 1 GiB cap, in 18 s). The seccomp filter refuses them (EPERM)."""
+    cap = 256
+    o = run_inside(MEMORY_OUTSIDE_THE_CAP.format(goal=2 * cap), timeout=20, memory_mb=cap)
+    assert o.status == 0, o
+    reached, errors = json.loads(o.stdout)
+    print(f"reached under a {cap} MiB cap (MiB): {reached}; {errors}")
+    assert reached == {"memfd": 0, "sysv_shm": 0, "sysv_msg": 0}, (reached, errors)
+    assert set(errors.values()) == {"Operation not permitted"}, errors
+
+
+def test_the_kernel_keyring_is_not_shared_between_runs():
+    """A key one program stored in its uid's keyring was readable by the next run, after the verdict. add_key,
+    request_key and keyctl are refused (EPERM)."""
+    numbers = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl (the kernel's unistd tables)
+    if platform.machine() not in numbers:
+        pytest.skip(f"no syscall numbers for {platform.machine()}")
+    add_key, keyctl = numbers[platform.machine()]
+    name = f"randattn-attack-{os.getpid()}-{time.time_ns()}"
+    head = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+            "KEY_SPEC_USER_KEYRING = -4\n")
+    store = head + (f"k = libc.syscall({add_key}, b'user', {name.encode()!r}, b'hunter2', 7, KEY_SPEC_USER_KEYRING)\n"
+                    "print(k, ctypes.get_errno())\n")
+    find = head + (f"k = libc.syscall({keyctl}, 10, KEY_SPEC_USER_KEYRING, b'user', {name.encode()!r}, 0)  # SEARCH\n"
+                   "print(k, ctypes.get_errno())\n")
+    stored, found = run_inside(store), run_inside(find)
+    assert stored.stdout.split() == [b"-1", b"1"], stored  # EPERM
+    assert found.stdout.split() == [b"-1", b"1"], found
+
+
+def test_two_gradings_at_once_each_have_their_own_process_limit():
+    """Threads grading at once shared one uid, so a fork bomb in one took the other's process limit (an innocent
+    program got `error`). Each run now has a uid of its own."""
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    innocent = "import subprocess\nsubprocess.run(['true'], check=True)\nprint(7)\n"
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(bomb=run_test(bomb, STDIN, timeout=4)))
+    thread.start()
+    time.sleep(1)  # the bomb is at its limit by now
+    results["innocent"] = run_test(innocent, STDIN)
+    thread.join()
+    assert results["innocent"].verdict == "pass", results
+    assert results["bomb"].verdict == "timeout", results
+    assert processes_with("/sandbox/solution.py") == []
+    if os.geteuid() == 0:
+        with ThreadPoolExecutor(3) as pool:
+            uids = list(pool.map(lambda _: run_inside("import os, time\ntime.sleep(1)\nprint(os.getuid())\n").stdout,
+                                 range(3)))
+        assert len(set(uids)) == 3 and os.getuid() not in map(int, uids), uids
+
+
+def test_a_python_installation_under_tmp_runs_in_the_sandbox(tmp_path):
+    """A venv under /tmp was hidden by the private /tmp mounted over it, and the sandbox refused, saying bubblewrap
+    did not work. The Python installation is now bound after the private /tmp."""
+    venv = tmp_path / "venv"
+    assert str(venv).startswith("/tmp/"), venv
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    script = ("import json, sys\nfrom probes import sandbox\nfrom probes.code_grader import run_test\n"
+              f"stdin = run_test(\"open('f', 'w').write('7')\\nprint(open('f').read())\\n\", {STDIN!r})\n"
+              "functional = run_test('class Solution:\\n    def f(self, x):\\n        return x + 1\\n', "
+              "{'input': '6', 'output': '7', 'testtype': 'functional'}, fn_name='f')\n"
+              "print(json.dumps([sys.prefix, sandbox.unavailable(), stdin.verdict, functional.verdict]))")
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    prefix, why, stdin, functional = json.loads(done.stdout.strip().splitlines()[-1])
+    assert prefix == str(venv) and why is None and (stdin, functional) == ("pass", "pass"), done.stdout
+
+
+def test_millions_of_short_output_lines_do_not_blow_up_the_harness():
+    """14 MiB of short lines grew the harness to 1.3 GiB (2.5 GiB compared against an equal expected output, 26 s):
+    a list of token lists. The comparison now goes a block of lines at a time; the peak is measured in a fresh
+    harness process, as for the gigabyte of output above."""
+    lines = 7 * 2**20
+    script = ("import json, re, time\nfrom probes.code_grader import run_test\n"
+              f"n = {lines}\nt0 = time.monotonic()\n"
+              "r = run_test(f\"import sys\\nsys.stdout.write('1\\\\n' * {n})\\n\", "
+              "{'input': '', 'output': '1\\n' * n, 'testtype': 'stdin'}, timeout=30)\n"
+              "peak = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+              "print(json.dumps([r.verdict, r.detail, peak, time.monotonic() - t0]))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    verdict, detail, peak_kib, seconds = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{lines} lines: harness peak {peak_kib / 1024:.0f} MiB, {seconds:.1f} s")
+    assert verdict == "pass", detail
+    assert peak_kib < 160 * 1024, f"the harness grew to {peak_kib / 1024:.0f} MiB"
