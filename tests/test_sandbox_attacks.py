@@ -274,6 +274,11 @@ print(found[-1] if found else "nothing")
                                                  "class Solution:\n    def f(self, xs):\n        return 0\n"),
     ("a forged result marker, then exit", "import os\nprint('<<<result>>>98')\nos._exit(0)\n"),
     ("exits before the runner", "import sys\nsys.exit(0)\n"),
+    # these raised out of run_test before (RecursionError, ValueError): the harness, not the program, failed
+    ("a forged result nested too deep", "import os, sys\nsys.stdout.write('<<<result>>>' + '[' * 10**5 + ']' * 10**5)\n"
+                                        "sys.stdout.flush()\nos._exit(0)\n"),
+    ("a forged int past the digit limit", "import os, sys\nsys.stdout.write('<<<result>>>' + '1' * 5000)\n"
+                                          "sys.stdout.flush()\nos._exit(0)\n"),
 ])
 def test_the_functional_verdict_is_not_gamed(name, program):
     r = run_test(program, {"input": "[1, 2]", "output": "3", "testtype": "functional"}, fn_name="f")
