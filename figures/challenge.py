@@ -1,6 +1,6 @@
 """The challenge's verdicts (``python -m probes.challenge``): each metric's difference from Random with its paired
 95% bootstrap CI (the task's score and its answer's log-prob, from the leaderboard's board rows in ``verdict.csv``),
-one colour per selector; filled markers pass both the CI and the exact sign test."""
+one colour per selector; filled markers pass the CI and the exact sign test, p Holm-adjusted across the board."""
 
 from __future__ import annotations
 
@@ -62,6 +62,6 @@ def plot(table: list[dict], out_dir=None, name: str = "challenge") -> list[Path]
         ax.set_xlabel(label)
     axes[0][0].legend(fontsize=8, loc="best")
     fig.suptitle("Selector minus Random at the same K, r and prompt protection; paired 95% bootstrap CIs\n"
-                 "filled: significant by both the CI and the exact sign test", fontsize=10)
+                 "filled: significant by the CI and the sign test, p Holm-adjusted across the board", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

@@ -1,5 +1,5 @@
 """The leaderboard (``python -m probes.leaderboard``): per task, each selector's difference from protected Random with
-its paired 95% bootstrap CI (filled: significant by both the CI and the exact sign test), selectors in rank order;
+its paired 95% bootstrap CI (filled: significant by the CI and the exact sign test, p Holm-adjusted across the board), selectors in rank order;
 a last panel: the round cost as a ratio to Random's, measured side by side. Plotted from ``leaderboard.csv`` only."""
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def plot(table: list[dict], out_dir=None, name: str = "leaderboard") -> list[Pat
     axes[0][0].set_yticks(range(len(ranked)), [f"{i + 1}. {p}" for i, p in enumerate(ranked)])
     axes[0][0].set_ylim(len(ranked) - 0.5, -0.5)  # rank 1 on top
     fig.suptitle("Leaderboard: each selector against protected Random at the same T, r and protection; paired 95% "
-                 "bootstrap CIs (filled: significant by both the CI and the exact sign test)", fontsize=10)
+                 "bootstrap CIs (filled: significant by the CI and the exact sign test, p Holm-adjusted across the "
+                 "board)", fontsize=10)
     fig.tight_layout()
     return style.save(fig, name, out_dir)

@@ -206,10 +206,12 @@ def challenge() -> list[str]:
     folder = shipped_name("challenge", "folder")
     rows = read_csv(f"{folder}/verdict.csv")
     body = markdown(["task", "metric", "n", "selector [95% CI]", "Random [95% CI]", "full attention",
-                     "difference [95% CI]", "sign W/L/T", "verdict", "log-prob difference [95% CI]", "Recall R",
+                     "difference [95% CI]", "sign W/L/T", "p (Holm)", "MDE", "verdict", "log-prob difference [95% CI]",
+                     "Recall R",
                      "round cost vs Random"],
                     [[r["test"], r["metric"], r["n"], ci(r, "value"), ci(r, "random"), f(r.get("full_attention")),
-                      ci(r, "delta", signed=True), f"{r['wins']}/{r['losses']}/{r['ties']}", r["verdict"],
+                      ci(r, "delta", signed=True), f"{r['wins']}/{r['losses']}/{r['ties']}", p_cells(r), mde_cell(r),
+                      r["verdict"],
                       (ci(r, "lp_delta", 2, signed=True) + ("*" if r["lp_verdict"] in ("better", "worse") else ""))
                       if r.get("lp_delta") else "–",
                       f"{f(r['recall'])} vs {f(r['random_recall'])}" if r.get("recall") else "–",
@@ -230,6 +232,22 @@ def challenge() -> list[str]:
                    f"{folder}/{accuracy_rows[0].relative_to(result_path(folder)).as_posix()}")]
 
 
+def p_cells(r: dict) -> str:
+    """A board row's p (the larger of the bootstrap's and the sign test's) and its Holm-adjusted value across the
+    board; rows written before the board adjusted (no ``p_adjusted``) show the sign test's p alone."""
+    if not r.get("p_adjusted"):
+        return f(r["p_sign"])
+    return f"{f(r['p'])} ({f(r['p_adjusted'])})"
+
+
+def mde_cell(r: dict) -> str:
+    """A board row's minimum detectable effect (80% power, the board's Bonferroni level); 'none' where no
+    difference is detectable at its n."""
+    if not r.get("mde"):
+        return "–"
+    return "none" if float(r["mde"]) == float("inf") else f(r["mde"], 2)
+
+
 LEADERBOARD_COMMAND = "python -m probes.leaderboard --runs 3 --instances 8 --cost-repeats 1"  # every task (the default)
 
 
@@ -242,18 +260,18 @@ def leaderboard() -> list[str]:
         these = sorted((r for r in rows if r["test"] == task), key=lambda r: int(r["rank"]))
         ref = these[0]
         lp = any(r.get("lp_delta") for r in these)
-        out.append([task, "", "random (reference)", ref["n"], ci(ref, "random"), "", "", "", "",
+        out.append([task, "", "random (reference)", ref["n"], ci(ref, "random"), "", "", "", "", "", "",
                     f(ref["random_gen_len"], 1) if ref.get("random_gen_len") else "–"]
                    + ([f"LP {f(ref['random_lp'], 2)}"] if lp else ["–"]))
         for r in these:
             out.append([task, r["rank"], r["policy"], r["n"], ci(r, "value"), ci(r, "delta", signed=True),
-                        f"{r['wins']}/{r['losses']}/{r['ties']}", r["verdict"],
+                        f"{r['wins']}/{r['losses']}/{r['ties']}", p_cells(r), mde_cell(r), r["verdict"],
                         "×" + f(r["round_cost_ratio"], 2) if r.get("round_cost_ratio") else "–",
                         f(r["gen_len"], 1) if r.get("gen_len") else "–",
                         (ci(r, "lp_delta", 2, signed=True) + ("*" if r["lp_verdict"] in ("better", "worse") else ""))
                         if r.get("lp_delta") else "–"])
     body = markdown(["task", "rank", "selector", "n", "score [95% CI]", "difference from Random [95% CI]",
-                     "sign W/L/T", "verdict", "round cost vs Random", "generated length",
+                     "sign W/L/T", "p (Holm)", "MDE", "verdict", "round cost vs Random", "generated length",
                      "log-prob difference [95% CI]"], out)
     folder = shipped_name("leaderboard", "folder")
     sources = [p for p in sorted(result_path(folder).rglob("*.jsonl")) if "work" not in p.relative_to(

@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 import randattn
 from analysis.names import result_name
 from analysis.planted import summarize as planted_summary
+from randattn.power import POWER, adjust, mde_normal, mde_sign, noise_rate
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, survival, units
@@ -70,6 +71,10 @@ METRICS = {"copy": ("copy accuracy", "problems"), "repeat": ("repeat accuracy", 
            "question": ("question digits recalled", "instances"), "passcode": ("passcode retrieval", "instances"),
            "planted": ("planted-fact retrieval", "instances")}
 VERDICTS = {"better": "better", "worse": "worse", "indistinguishable": "no detectable difference"}
+#: The board's error rate: every comparison on one board (each task's score and each log-prob) is one family,
+#: adjusted by Holm's step-down method, so the chance of any false "better" or "worse" on the board is <= ALPHA.
+ALPHA = 0.05
+ADJUSTMENT = "holm"
 ROUND_COST = "ms per eviction round (one layer)"
 THROUGHPUT = "decode tokens/s"
 #: the selectors ranked by default: every one the paper compared Random with (the registry's others by name).
@@ -394,13 +399,57 @@ def _mean(scores: dict) -> float:
 
 def compared(test: str, metric: str, unit: str, policy: str, a: dict, b: dict, seed: int, **extra) -> dict:
     """One verdict row: ``a`` (the policy) against ``b`` (Random), both ``{unit id: [score per run]}``: the paired
-    bootstrap 95% CI of the difference and the exact sign test (:func:`randattn.stats.paired_comparison`)."""
+    bootstrap 95% CI of the difference and the exact sign test (:func:`randattn.stats.paired_comparison`), ``p`` the
+    paper's two-part rule's own p (both parts must pass, so the larger of the two), and what the MDE needs: the rate
+    at which the two arms disagree both ways (``noise``) and the differences' standard deviation (``sd_delta``).
+    The verdict is the unadjusted rule's; :func:`adjust_board` replaces it with the board's adjusted one."""
     c = paired_comparison(a, b, seed=seed)
-    common = set(a) & set(b)
+    common = sorted(set(a) & set(b), key=str)
+    ma, mb = per_problem_means(a), per_problem_means(b)
+    d = [ma[k] - mb[k] for k in common]
     return {"test": test, "metric": metric, "unit": unit, "policy": policy, "n": c.delta.n,
             "value": _mean({k: a[k] for k in common}), "random": _mean({k: b[k] for k in common}),
             **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins, "losses": c.sign.losses,
-            "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict, **extra}
+            "ties": c.sign.ties, "p_sign": c.sign.p, "p": max(c.sign.p, c.p_bootstrap), "noise": noise_rate(d),
+            "sd_delta": float(np.std(d, ddof=1)) if len(d) > 1 else float("nan"),
+            "signed_unit": all(x in (-1.0, 0.0, 1.0) for x in d), "verdict": c.verdict, **extra}
+
+
+def adjust_board(table: list[dict], alpha: float = ALPHA, method: str = ADJUSTMENT) -> None:
+    """The board's verdicts, in place: every comparison of the board (each row's score and, where it has one, its
+    log-prob) is one family. Each gets ``p_adjusted`` (``method`` across the family), ``family`` (its size) and an
+    MDE at 80% power and level ``alpha / family`` (Bonferroni, Holm's first step: what one true effect among null
+    ones must clear), in the score's own units (:func:`mde`), ``lp_mde`` in nats (normal approximation at the
+    observed standard deviation of the log-prob differences; ``inf`` where the sign test cannot reach the level).
+    A difference is "better" or "worse" only when its 95% CI
+    excludes 0 and its adjusted p is below ``alpha``; otherwise "no detectable difference", with its MDE."""
+    tests = [(r, "") for r in table] + [(r, "lp_") for r in table if r.get("lp_p") is not None]
+    adjusted = adjust([r[f"{pre}p"] for r, pre in tests], method)
+    level = alpha / max(1, len(tests))
+    for (r, pre), p_adj in zip(tests, adjusted):
+        excludes = r[f"{pre}delta_lo"] > 0 or r[f"{pre}delta_hi"] < 0
+        significant = excludes and p_adj < alpha
+        r.update({f"{pre}p_adjusted": p_adj, f"{pre}family": len(tests), f"{pre}adjustment": method,
+                  f"{pre}verdict": VERDICTS[("better" if r[f"{pre}delta"] > 0 else "worse") if significant
+                                            else "indistinguishable"]})
+        if pre:
+            r["lp_mde"] = mde_normal(r["lp_sd_delta"], r["n"], alpha=level, power=POWER) \
+                if mde_sign(r["n"], alpha=level, power=POWER) < float("inf") else float("inf")
+        else:
+            r["mde"], r["mde_method"] = mde(r, level)
+
+
+def mde(row: dict, level: float) -> tuple[float, str]:
+    """``(MDE, how)`` of one score comparison at ``level``, in the score's units. Where every paired difference is
+    -1, 0 or +1 (a 0/1 score, one run per unit) the exact sign test's (``exact sign``): P(win) - P(loss) is then the
+    score difference itself, at the observed two-way disagreement. Otherwise (fractional grades, several runs per
+    unit) the normal approximation at the observed standard deviation (``normal``); and ``inf`` either way when
+    the sign test could not reach ``level`` at this n even with every unit a win (the rule needs both tests)."""
+    if mde_sign(row["n"], alpha=level, power=POWER) == float("inf"):
+        return float("inf"), "exact sign"
+    if row["signed_unit"] or not row["sd_delta"] > 0:
+        return mde_sign(row["n"], noise=row["noise"], alpha=level, power=POWER), "exact sign"
+    return mde_normal(row["sd_delta"], row["n"], alpha=level, power=POWER), "normal"
 
 
 def _scores(task: str, rows: list[dict]) -> tuple[dict, dict, dict]:
@@ -497,7 +546,7 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
                 row[col] = float(np.mean([means[k] for k in common]))
             est = mean_ci(list(per_problem_means(scores[pol]).values()), seed=config.seed)
             row.update({"value_lo": est.lo, "value_hi": est.hi, "random_lo": ref.lo, "random_hi": ref.hi,
-                        "verdict": VERDICTS[row["verdict"]], "budget": budgets[0] if budgets else config.budget,
+                        "budget": budgets[0] if budgets else config.budget,
                         "gen_len": lengths.get(pol), "random_gen_len": lengths.get(REFERENCE)})
             full = {k: scores[FULL][k] for k in common if k in scores.get(FULL, {})}
             if full:  # the ceiling, on the same units
@@ -505,8 +554,8 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
             if pol in lps and REFERENCE in lps:  # the answer's log-prob, paired the same way (not ranked)
                 lp = compared(slot, "log-prob", unit, pol, lps[pol], lps[REFERENCE], config.seed)
                 row.update({"lp": lp["value"], "random_lp": lp["random"], "lp_delta": lp["delta"],
-                            "lp_delta_lo": lp["delta_lo"], "lp_delta_hi": lp["delta_hi"],
-                            "lp_verdict": VERDICTS[lp["verdict"]]})
+                            "lp_delta_lo": lp["delta_lo"], "lp_delta_hi": lp["delta_hi"], "lp_p": lp["p"],
+                            "lp_sd_delta": lp["sd_delta"]})
             if pol in recall and REFERENCE in recall:  # descriptive: each policy's own endpoints, no paired test
                 r, r0 = recall[pol], recall[REFERENCE]
                 row.update({"recall": r.value, "recall_lo": r.lo, "recall_hi": r.hi, "random_recall": r0.value,
@@ -516,6 +565,7 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
                 row[f"{name}_ratio"] = c["ratio"] if c else None
             row["slot"] = slot
             table.append(row)
+    adjust_board(table)
     tally = {p: sum((r["verdict"] == "better") - (r["verdict"] == "worse") for r in table if r["policy"] == p)
              for p in config.selectors}
     mean_delta = {p: float(np.mean([r["delta"] for r in table if r["policy"] == p] or [0.0])) for p in tally}
@@ -535,15 +585,25 @@ def _fmt(x, spec=".3f") -> str:
 
 def print_board(table: list[dict]) -> None:
     print(f"\n{'#':>2} {'selector':<24} {'task':<9} {'n':>3} {'score [95% CI]':<22} {'random [95% CI]':<22} "
-          f"{'difference [95% CI]':<25} {'p_sign':>6}  {'verdict':<24} {'round cost':>10} {'length':>7}")
+          f"{'difference [95% CI]':<25} {'p':>6} {'p_holm':>6} {'MDE':>5}  {'verdict':<24} {'round cost':>10} "
+          f"{'length':>7}")
     for r in table:
         print(f"{r['rank']:>2} {r['policy'][:24]:<24} {r['test']:<9} {r['n']:>3} "
               f"{_fmt(r['value'])} [{_fmt(r['value_lo'])}, {_fmt(r['value_hi'])}]  "
               f"{_fmt(r['random'])} [{_fmt(r['random_lo'])}, {_fmt(r['random_hi'])}]  "
-              f"{r['delta']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}]  {r['p_sign']:>6.3f}  "
+              f"{r['delta']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}]  {r['p']:>6.3f} "
+              f"{r['p_adjusted']:>6.3f} {_fmt_mde(r['mde']):>5}  "
               f"{r['verdict']:<24} {'x' + _fmt(r['round_cost_ratio'], '.2f'):>10} {_fmt(r['gen_len'], '.1f'):>7}")
-    print("verdict: better or worse only when the paired bootstrap 95% CI and the exact sign test both exclude no "
-          "difference; round cost: ms per eviction round as a ratio to Random's, measured side by side")
+    family = table[0]["family"] if table else 0
+    print(f"verdict: better or worse only when the paired bootstrap 95% CI excludes no difference and p (the larger of "
+          f"the bootstrap's and the exact sign test's) stays below {ALPHA} after {ADJUSTMENT.title()}'s adjustment "
+          f"across the board's {family} comparisons (scores and log-probs); MDE: the difference in P(win) - P(loss) "
+          f"the sign test detects with {POWER:.0%} power at {ALPHA}/{family} ('none': no difference is detectable "
+          f"at this n); round cost: ms per eviction round as a ratio to Random's, measured side by side")
+
+
+def _fmt_mde(x: float) -> str:
+    return "none" if not np.isfinite(x) else f"{x:.2f}"
 
 
 def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
