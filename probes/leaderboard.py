@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 import randattn
 from analysis.names import result_name
 from analysis.planted import summarize as planted_summary
-from randattn.power import POWER, adjust, mde_normal, mde_sign, noise_rate
+from randattn.power import POWER, adjust, mde_normal, mde_sign, noise_rate, units_for_mde
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, survival, units
@@ -79,6 +79,12 @@ ROUND_COST = "ms per eviction round (one layer)"
 THROUGHPUT = "decode tokens/s"
 #: the selectors ranked by default: every one the paper compared Random with (the registry's others by name).
 DEFAULT_SELECTORS = tuple(p for p in randattn.COMPARED_POLICIES if p != REFERENCE)
+
+
+def _fraction(value) -> Optional[str]:
+    if not (isinstance(value, (int, float)) and 0 < value < 1):
+        return f"must be strictly between 0 and 1 (a difference in the score's units), got {value!r}"
+    return None
 
 
 @dataclass
@@ -124,6 +130,10 @@ class Config(EvictionConfig):
                            "harness's batches)", check=POSITIVE)
     max_new_tokens: Optional[int] = option(None, "copy and repeat: new tokens at most (default: each task's, copy 192, "
                                                  "repeat 1664)", check=POSITIVE)
+    target_mde: Optional[float] = option(None, "also print, per task, how many units (problems or instances) would "
+                                               "make a difference of this size detectable with 80%% power at the "
+                                               "board's level (from the board's own noise; run it on finished rows "
+                                               "to plan the next run)", check=_fraction, metavar="X")
     root: Optional[str] = option(None, "the exact folder of the board's files (default: --out / the setting's "
                                        "name); probes.challenge puts its board in its own folder", cli=False)
 
@@ -602,6 +612,40 @@ def print_board(table: list[dict]) -> None:
           f"at this n); round cost: ms per eviction round as a ratio to Random's, measured side by side")
 
 
+def planned_units(table: list[dict], target: float, alpha: float = ALPHA) -> list[dict]:
+    """Per task: the units it has and the units that make ``target`` detectable with 80% power at the board's level
+    (``alpha / family``), from the noisiest comparison of the task (the largest two-way disagreement, or for
+    fractional or multi-run scores the largest standard deviation of the paired differences, normal approximation),
+    so every selector's comparison gets that power. A task where the arms never disagreed (every unit tied, e.g. all
+    at the floor) gives the noise-free count: a lower bound."""
+    out = []
+    for task in dict.fromkeys(r["test"] for r in table):
+        rows = [r for r in table if r["test"] == task]
+        level = alpha / rows[0]["family"]
+        normal = [r for r in rows if not r["signed_unit"] and r["sd_delta"] > 0]
+        if normal:
+            sd = max(r["sd_delta"] for r in normal)
+            need = units_for_mde(target, sd=sd, alpha=level, power=POWER)
+            how = f"normal, sd {sd:.3f}"
+        else:
+            noise = max(r["noise"] for r in rows)
+            if target + 2 * noise > 1:
+                out.append({"task": task, "n": rows[0]["n"], "target": target, "units": None,
+                            "how": f"exact sign, noise {noise:.3f}: a difference of {target} cannot occur"})
+                continue
+            need = units_for_mde(target, noise=noise, alpha=level, power=POWER)
+            how = f"exact sign, noise {noise:.3f}" + (": no disagreement seen, a lower bound" if noise == 0 else "")
+        out.append({"task": task, "n": rows[0]["n"], "target": target, "units": need, "how": how})
+    return out
+
+
+def print_plan(plan_rows: list[dict]) -> None:
+    print(f"\nunits for an MDE of {plan_rows[0]['target'] if plan_rows else '?'} (80% power, the board's level; "
+          f"from the board's own noise):")
+    for r in plan_rows:
+        print(f"  {r['task']:<10} has {r['n']:>4}, needs {'–' if r['units'] is None else r['units']:>6}  ({r['how']})")
+
+
 def _fmt_mde(x: float) -> str:
     return "none" if not np.isfinite(x) else f"{x:.2f}"
 
@@ -613,6 +657,8 @@ def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
     name = Path(result_name("leaderboard", config, "table", model=plan.meta["model"])).name
     path = write_csv(Path(plan.meta["root"]) / name, table)
     print_board(table)
+    if config.target_mde is not None:
+        print_plan(planned_units(table, config.target_mde))
     print(f"\nleaderboard: {path}")
     paths = [path]
     if figures and not config.no_figure:

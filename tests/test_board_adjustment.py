@@ -65,3 +65,26 @@ def test_fractional_scores_get_the_normal_mde_and_log_probs_join_the_family():
     assert frac["mde"] == pytest.approx(mde_normal(frac["sd_delta"], 32, alpha=0.05 / 3))
     assert frac["lp_mde"] == pytest.approx(mde_normal(frac["lp_sd_delta"], 32, alpha=0.05 / 3))
     assert frac["lp_verdict"] == "better" and frac["lp_p_adjusted"] >= frac["lp_p"]
+
+
+def test_the_target_mde_planner_gives_the_units_that_reach_the_power():
+    from probes.leaderboard import planned_units
+    from randattn.power import sign_test_power, units_for_mde
+
+    board = [_row("a", *_binary(6, 2, 24)), _row("b", *_binary(1, 1, 30))]
+    adjust_board(board)
+    (plan,) = planned_units(board, 0.2)
+    assert plan["n"] == 32 and plan["how"].startswith("exact sign, noise 0.062")
+    assert plan["units"] == units_for_mde(0.2, noise=2 / 32, alpha=0.05 / 2)
+    assert sign_test_power(plan["units"], 0.2, noise=2 / 32, alpha=0.05 / 2) >= 0.8
+
+
+def test_a_target_mde_outside_0_1_is_refused_before_anything_loads():
+    import subprocess
+    import sys
+
+    for bad in ("0", "1", "-0.2", "1.5"):
+        out = subprocess.run([sys.executable, "-m", "probes.leaderboard", "--target-mde", bad], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and "--target-mde: must be strictly between 0 and 1" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
