@@ -34,6 +34,7 @@ run resumes to the same rows) and ``leaderboard.csv`` go to ``--out`` (default
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -625,8 +626,10 @@ def planned_units(table: list[dict], target: float, alpha: float = ALPHA) -> lis
         normal = [r for r in rows if not r["signed_unit"] and r["sd_delta"] > 0]
         if normal:
             sd = max(r["sd_delta"] for r in normal)
-            need = units_for_mde(target, sd=sd, alpha=level, power=POWER)
-            how = f"normal, sd {sd:.3f}"
+            # the rule needs the sign test too: no fewer units than it needs to reach the level with every unit a win
+            floor = math.floor(math.log2(2 / level)) + 1
+            need = max(floor, units_for_mde(target, sd=sd, alpha=level, power=POWER))
+            how = f"normal, sd {sd:.3f}" + (f"; the sign test's floor of {floor} units" if need == floor else "")
         else:
             noise = max(r["noise"] for r in rows)
             if target + 2 * noise > 1:
