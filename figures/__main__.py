@@ -75,6 +75,20 @@ def draw(name: str, results=None, out_dir=None, *, stem: "str | None" = None, **
 
 
 def main(argv=None) -> int:
+    """The figures command; Ctrl-C (SIGINT) is one line naming the figures already drawn (exit status 130, no
+    traceback): each figure goes to a temporary file renamed into place, so the one being drawn keeps its old bytes."""
+    drawn: list[str] = []
+    try:
+        return _main(argv, drawn)
+    except KeyboardInterrupt:
+        done = (f"after {len(drawn)} figure file{'' if len(drawn) == 1 else 's'} drawn ({', '.join(drawn)})" if drawn
+                else "before any figure was drawn")
+        print(f"figures: interrupted {done}; no file is left half-written (each holds its previous or its new "
+              "figure); rerun the same command to draw them", file=sys.stderr)
+        return 130
+
+
+def _main(argv, drawn: list) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", choices=sorted(FIGURES), action="append", help="only this figure (repeatable)")
     p.add_argument("--results", default=None, help="result file to draw (with one --probe); default: yours under "
@@ -135,6 +149,7 @@ def main(argv=None) -> int:
             failed += 1
             continue
         for f in files:
+            drawn.append(str(f))
             print(f"{name}: {f}")
     if args.probe and (missing or failed):
         return 1

@@ -18,7 +18,7 @@ from analysis.files import DiskFull, NotOurs
 from analysis.rows import BadRow
 
 from .config import ConfigError, build, flag_of, parse_values, parser_for
-from .results import RunInUse, release_folders
+from .results import RunInUse, interrupted, openings, release_folders
 
 __all__ = ["main", "draw", "SelectorFailed", "selector_failure"]
 
@@ -69,22 +69,42 @@ def _selector_refusal(parser, config, exc: BaseException) -> None:
     failure = failed.failure if failed else selector_failure(exc)
     if failure is None:
         return
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):  # bars the failure left open end first: the message stands alone
-        bar.close()
+    _close_bars()  # bars the failure left open end first: the message stands alone
     where = f" (in {failed.step})" if failed and failed.step else ""
     kept = failed.kept if failed and failed.kept else "The rows computed before it are kept"
     parser.exit(2, f"{parser.prog}: error: {_flag_naming(config, failure)}: {failure.rstrip('.')}{where}. {kept}; "
                    "fix the selector and rerun the same command: it resumes from those rows.\n")
 
 
+def _close_bars() -> None:
+    """Close the progress bars a failure or an interrupt left open, so the message after them stands alone."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Optional[dict] = None) -> int:
     """Parse ``argv`` into ``config_cls`` and call ``body(config)``; a :class:`ConfigError` raised by either becomes a
     usage error that names the flag (exit status 2), before or after the model loads, and so does a selector that
-    fails mid-run (:class:`SelectorFailed`, or the core's error naming it): one paragraph, no traceback. Returns the
+    fails mid-run (:class:`SelectorFailed`, or the core's error naming it): one paragraph, no traceback. Ctrl-C
+    (SIGINT) is one line saying how many rows are safe in which file (exit status 130, no traceback). Returns the
     exit status: 0, or the int ``body`` returned."""
     parser = parser_for(config_cls, (doc or config_cls.__doc__ or "").strip().splitlines()[0], defaults=defaults)
+    mark = openings()
+    try:
+        return _main(parser, config_cls, body, argv)
+    except KeyboardInterrupt:
+        # Rows go to disk batch by batch (a batch whole or not at all, Ctrl-C held off while one is written) and
+        # summaries and figures through a temporary renamed into place, so what is on disk is what a resume reads.
+        _close_bars()
+        print(f"{parser.prog}: {interrupted(mark)}", file=sys.stderr)
+        return 130
+    finally:
+        release_folders()  # the run is over: its results folders are free for the next one
+
+
+def _main(parser, config_cls, body: Callable, argv) -> int:
     config = build(config_cls, parser, parse_values(config_cls, parser, argv))  # defaults <- --config FILE <- flags
     problem = cache_problem(getattr(config, "model", "")) if hasattr(config, "model") else None
     if problem:
@@ -103,8 +123,6 @@ def main(config_cls, body: Callable, argv=None, doc: str = "", *, defaults: Opti
         # before the run; the rows already written stay for the rerun. Anything else keeps its traceback.
         _selector_refusal(parser, config, exc)
         raise
-    finally:
-        release_folders()  # the run is over: its results folders are free for the next one
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 

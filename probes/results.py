@@ -14,20 +14,26 @@ after a kill cannot count a row twice.
 from __future__ import annotations
 
 import fcntl
+import functools
+import itertools
 import json
 import os
+import re
+import signal
 import subprocess
 import weakref
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
-from analysis.files import DiskFull, NotOurs, disk_full
+from analysis.files import DiskFull, NotOurs, disk_full, table_header, why_not_ours
 from analysis.names import protection_tag  # noqa: F401 (the spelling in result names; re-exported)
 from analysis.rows import BadRow, check_row
 
 __all__ = ["ResultsFile", "NotOurFile", "RunInUse", "hold_folder", "release_folders", "git_revision", "REPO_ROOT", "DEFAULT_TRACES", "shipped", "out_folder",
-           "protection_tag", "run_record", "trace_label", "versions", "INFORMATIONAL"]
+           "protection_tag", "run_record", "trace_label", "versions", "INFORMATIONAL", "check_domain",
+           "check_tables_beside", "tables_beside", "opened", "openings", "rows_on_disk", "interrupted"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Config entries that describe where and with what a row was measured, not what was measured: never compared on
@@ -138,7 +144,12 @@ class ResultsFile:
         self.read_only = not _check_writable(self.path)
         if self.path.exists():
             self._read_ours(validate=not restart)  # refuse a file not ours before the lock file is made beside it
+        # The tables this file's summary writes beside it, checked now (before any row is computed), not only when
+        # they are written at the end of the run.
+        check_tables_beside(self.path, self.config)
         self._lock = None if self.read_only else hold_folder(self.path.parent)
+        _OPENED.pop(str(self.path), None)
+        _OPENED[str(self.path)] = next(_OPENINGS)
         if self.path.exists():
             rows, torn = self._read_ours(validate=not restart)
             if restart:
@@ -202,6 +213,7 @@ class ResultsFile:
             if validate:
                 try:
                     check_row(row, f"{self.path}:{n}")
+                    check_domain(row, f"{self.path}:{n}")
                 except BadRow as exc:
                     raise BadRow(f"{exc}; nothing was changed. Correct or delete that line, or pass --restart to "
                                  "discard the file's rows") from None
@@ -255,29 +267,261 @@ class ResultsFile:
                                      "resume")
         blob = "".join(json.dumps(r) + "\n" for r in fresh).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        with _ctrl_c_held():  # a Ctrl-C lands before the batch or after it is on disk and counted, never inside
             try:
-                view = memoryview(blob)
-                while view:  # a regular file takes it in one write; loop only if the kernel says otherwise
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            if not disk_full(exc):
-                raise
-            raise DiskFull(exc.errno, f"{self.path}: the disk is full or a file-size limit is reached "
-                                      f"({exc.strerror}); the {len(self.rows)} rows written before are safe (a torn "
-                                      "last line is cut on resume). Free space and rerun the same command to "
-                                      "resume") from None
-        self.rows.extend(fresh)
-        self.done.update(keys)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    view = memoryview(blob)
+                    while view:  # a regular file takes it in one write; loop only if the kernel says otherwise
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if not disk_full(exc):
+                    raise
+                raise DiskFull(exc.errno, f"{self.path}: the disk is full or a file-size limit is reached "
+                                          f"({exc.strerror}); the {len(self.rows)} rows written before are safe (a "
+                                          "torn last line is cut on resume). Free space and rerun the same command "
+                                          "to resume") from None
+            self.rows.extend(fresh)
+            self.done.update(keys)
         return fresh
 
 
 def _hashable(value):
     return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """SIGINT held back while the block runs, then handled as it would have been (Ctrl-C's KeyboardInterrupt after the
+    block). Python runs signal handlers in the main thread only, so only there is anything held."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # a handler installed outside Python: leave it alone
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, held[0])  # default_int_handler: KeyboardInterrupt, now
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+# -- what a Ctrl-C leaves ------------------------------------------------------------------------------------------
+#: Every results file this process opened (str(path) -> when, last opening): what an interrupted run names as safe.
+_OPENED: dict[str, int] = {}
+_OPENINGS = itertools.count(1)
+
+
+def openings() -> int:
+    """A mark for :func:`opened`: files opened after it are the ones opened from now on."""
+    return max(_OPENED.values(), default=0)
+
+
+def opened(since: int = 0) -> list[Path]:
+    """The results files this process opened after the mark ``since`` (:func:`openings`), in the order of their last
+    opening; a temporary merge file (a hidden name) left out."""
+    return [Path(p) for p, when in sorted(_OPENED.items(), key=lambda x: x[1])
+            if when > since and not Path(p).name.startswith(".")]
+
+
+def rows_on_disk(path: "str | os.PathLike") -> int:
+    """How many complete rows ``path`` holds now (0 when it does not exist)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return 0
+    return sum(1 for line in data[: data.rfind(b"\n") + 1].splitlines() if line.strip())
+
+
+def interrupted(since: int = 0) -> str:
+    """The one line a command interrupted by Ctrl-C prints: how many rows are safe where, and how to resume."""
+    safe = [(p, n) for p in opened(since) if (n := rows_on_disk(p))]
+    if not safe:
+        return "interrupted before any row was written; rerun the same command to start the run"
+    rows = lambda n: f"{n} row{'' if n == 1 else 's'}"  # noqa: E731
+    if len(safe) == 1:
+        (path, n), = safe
+        where = f"{rows(n)} {'is' if n == 1 else 'are'} safe in {path}"
+    else:
+        shown = ", ".join(f"{n} in {p}" for p, n in safe[:3]) + (f", ... ({len(safe) - 3} more files)"
+                                                                  if len(safe) > 3 else "")
+        where = f"{rows(sum(n for _, n in safe))} are safe in {len(safe)} files ({shown})"
+    return f"interrupted: {where}; rerun the same command to resume"
+
+
+# -- rows no run of their configuration writes ---------------------------------------------------------------------
+def _ints(*values) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+@functools.lru_cache(maxsize=None)
+def planted_conditions(probe: str, kv_heads: int, box_width: int) -> "Optional[tuple[tuple[str, ...], Callable]]":
+    """``(names, accepts)``: the conditions the planted-fact probe ``probe`` writes for a model of ``kv_heads`` KV heads
+    (from the probe's own condition lists), and a test a name passes when it is one of them; None when ``probe`` is
+    not a planted-fact probe this knows (its conditions are then not checked)."""
+    from types import SimpleNamespace
+
+    session = SimpleNamespace(n_heads=kv_heads, config=SimpleNamespace(box_width=box_width))
+    extra = None
+    try:
+        if probe == "head_pooling":
+            from .head_pooling import pooling_conditions
+
+            names = [c.name for c in pooling_conditions(kv_heads, box_width)]
+            if kv_heads > 8:  # the best-k chain, planned from the single heads' rows: k = 3 .. H-1 heads
+                extra = _best_k(kv_heads)
+        elif probe in ("scatter", "two_facts", "blocks", "shared_draw"):
+            import importlib
+
+            names = [c.name for c in importlib.import_module(f"probes.{probe}").conditions(session)]
+        elif probe == "passcode":
+            names = ["policy", "kept", "full"]  # probes.passcode.plan: the policy's, and Random's two references
+        elif probe == "leaderboard_planted":
+            from .leaderboard import planted_conditions as board
+
+            names = list(board(SimpleNamespace(recall=True)))
+        else:
+            return None
+    except (ValueError, ImportError):  # the probe refuses such a model (scatter under 3 KV heads, two facts under 2)
+        return None
+    known = frozenset(names)
+    return tuple(names), (lambda name: name in known or (extra is not None and extra(name)))
+
+
+def _best_k(n_heads: int) -> Callable[[str], bool]:
+    pattern = re.compile(r"best(\d+):h(\d+(?:\+\d+)*)")
+
+    def accepts(name: str) -> bool:
+        m = pattern.fullmatch(name)
+        if not m:
+            return False
+        k, heads = int(m.group(1)), [int(h) for h in m.group(2).split("+")]
+        return 3 <= k < n_heads and len(heads) == k and heads == sorted(set(heads)) and heads[-1] < n_heads
+
+    return accepts
+
+
+def check_domain(row: dict, where: str) -> None:
+    """Raise :class:`BadRow` (``where``: ``FILE:LINE``) when a key field of ``row`` holds a value no run of the
+    configuration recorded in the row writes: a negative ``instance``, ``sequence``, ``run`` or ``fact``; a ``fact``
+    past the record's ``n_facts``; a survival ``sequence`` past its ``sequences`` (they are in the file's name); a
+    planted-fact ``condition`` the recorded probe does not write for the recorded model. Instances past this run's
+    ``--instances`` are no such value: a run with more instances wrote them, and a rerun with fewer keeps them (its
+    summary is ``<rows>.n<N>.summary.csv``). Types are :func:`analysis.rows.check_row`'s (run it first)."""
+    config = row.get("config") if isinstance(row.get("config"), dict) else {}
+    for field in ("instance", "sequence", "run", "fact"):
+        if _ints(row.get(field)) and row[field] < 0:
+            raise BadRow(f"{where}: field {field!r} must be >= 0, got {row[field]}")
+    n_facts = config.get("n_facts")
+    if _ints(row.get("fact"), n_facts) and row["fact"] >= n_facts:
+        raise BadRow(f"{where}: field 'fact' must be in 0..{n_facts - 1} (the file's n_facts is {n_facts}), "
+                     f"got {row['fact']}")
+    sequences = config.get("sequences")
+    if config.get("probe") == "survival" and _ints(row.get("sequence"), sequences) and row["sequence"] >= sequences:
+        raise BadRow(f"{where}: field 'sequence' must be in 0..{sequences - 1} (the file's {sequences} sequences), "
+                     f"got {row['sequence']}")
+    if isinstance(row.get("condition"), str) and isinstance(config.get("probe"), str) \
+            and _ints(config.get("kv_heads"), config.get("box_width")):
+        known = planted_conditions(config["probe"], config["kv_heads"], config["box_width"])
+        if known is not None and not known[1](row["condition"]):
+            names = known[0]
+            shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+            chain = " or a best-k chain 'best<k>:h<i>+...'" if config["kv_heads"] > 8 and config["probe"] == \
+                "head_pooling" else ""
+            raise BadRow(f"{where}: field 'condition' must be one of {shown}{chain} (what {config['probe']} writes for "
+                         f"{config['kv_heads']} KV heads), got {json.dumps(row['condition'])}")
+
+
+# -- the tables a summary writes beside its rows -------------------------------------------------------------------
+_TABLES = (".csv", ".md", ".tex")
+
+
+def tables_beside(path: "str | os.PathLike", config: dict) -> "list[tuple[Path, Optional[Path]]]":
+    """``[(table, reference)]``: the summary tables the probe that recorded ``config`` writes from the rows file
+    ``path`` (every table part :data:`analysis.names.PARTS` names for it: ``<rows>.summary.csv``, a ``summary-*.csv``,
+    accuracy's ``.protection.csv`` and its comparison table, also as ``.md`` and ``.tex``), each with the shipped table
+    of that part (None: none is shipped), which shows the first column a summary of that probe starts with. Empty when
+    ``path`` is not the name that probe gives the rows of ``config`` (a temporary merge file, a scratch file)."""
+    from analysis.names import PARTS, SHIPPED, result_name, shipped_name
+    from analysis.shipped import shipped_result
+
+    path = Path(path)
+    probe = config.get("probe") if isinstance(config, dict) else None
+    parts = PARTS.get(probe) if isinstance(probe, str) else None
+    if not parts or "rows" not in parts:
+        return []
+    try:
+        if result_name(probe, config) != path.name:
+            return []
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+    names = {}
+    for part in parts:
+        try:
+            names[part] = result_name(probe, config, part)
+        except (KeyError, TypeError, ValueError, AttributeError):  # a part named by fields these rows do not record
+            continue  # (blocks' next-token-loss rows by their length): no table
+    ship = next((name for name, (_, p, _) in SHIPPED.items() if p == probe), None)
+    out = []
+    for part, name in names.items():
+        if part == "rows" or not name.endswith(_TABLES) or "/" in name:
+            continue
+        formats = [name] + ([name[: -len(".csv")] + ext for ext in (".md", ".tex")] if name.endswith(".table.csv")
+                            else [])
+        for target in formats:
+            reference = None
+            if ship is not None:
+                try:
+                    ref = shipped_result(shipped_name(ship, part))
+                    reference = ref.with_name(ref.name[: -len(".csv")] + target[len(name) - 4:]) if target != name \
+                        else ref
+                except (KeyError, TypeError, ValueError):
+                    reference = None
+            out.append((path.parent / target, reference))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _first_column(reference: Path) -> Optional[str]:
+    try:
+        header = table_header(reference.read_text(encoding="utf-8"), reference.suffix.lower())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return header[0] if header else None
+
+
+def check_tables_beside(path: "str | os.PathLike", config: dict) -> None:
+    """Refuse (:class:`NotOurs`, reading only) a file where the summary of the rows ``path`` will be written when it is
+    certainly not one randattn wrote: not a table, or a table whose first column is not the one that probe's summaries
+    start with (the shipped summary's), so its write at the end of the run would be refused. Run before anything is
+    computed; the write itself still compares the whole header (:func:`analysis.files.check_ours`)."""
+    for target, reference in tables_beside(path, config):
+        why = why_not_ours(target)
+        if why is None and reference is not None and target.is_file() and not target.is_symlink():
+            try:
+                old = table_header(target.read_text(encoding="utf-8"), target.suffix.lower())
+            except (OSError, UnicodeDecodeError, ValueError):
+                old = None
+            first = _first_column(reference)
+            if old and first is not None and (len(old) < 2 or old[0] != first):
+                why = (f"its columns ({', '.join(old[:4])}{', ...' if len(old) > 4 else ''}) are not the table "
+                       "written there")
+        if why is not None:
+            raise NotOurs(f"{target} was not written by randattn ({why}); nothing was changed. Give --out another "
+                          "folder, or move the file away")
 
 
 def _check_writable(path: Path) -> bool:
