@@ -141,7 +141,7 @@ def _plain(value):
 class RunConfig(Config):
     """The flags that mean the same in every probe."""
 
-    model: Optional[str] = option(None, "HF hub id or local directory; default: embedded SmolLM2-135M-Instruct")
+    model: Optional[str] = option(None, "HF hub id, local directory or local GGUF file; default: embedded SmolLM2-135M-Instruct")
     device: str = option("auto", "'auto' (CUDA when present), 'cpu' or 'cuda[:N]'")
     seed: int = option(0, "seed of the eviction draws (per seed, layer, round)", check=SEED)
     out: Optional[str] = option(None, "where results go (default: data/results/<probe>/ under the current folder)")

@@ -221,12 +221,18 @@ def check_model(name: str, key: str = "models") -> ModelInfo:
     model. Anything unloadable is a :class:`SpecError` naming ``key``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from randattn.models import converted_embedded, embedded_name, looks_like_path
+    from randattn.models import converted_embedded, converted_gguf, embedded_name, local_gguf, looks_like_path
 
-    fix = (f"give a local directory with config.json, tokenizer and weights, a hub id this machine can reach, or "
-           f"'{randattn.DEFAULT_MODEL}' (the embedded model)")
+    fix = (f"give a local directory with config.json, tokenizer and weights, a local GGUF file, a hub id this machine "
+           f"can reach, or '{randattn.DEFAULT_MODEL}' (the embedded model)")
     embedded = embedded_name(name)
     path = Path(name).expanduser()
+    try:
+        gguf = local_gguf(name) if embedded is None else None
+        if gguf is not None:  # converted once, as load_model converts it; then checked as the folder it became
+            path = converted_gguf(gguf)
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"{key}: {exc}") from None  # the message already says what to give
     if embedded is None and (path.exists() or looks_like_path(name)):
         if not path.is_dir():
             raise SpecError(f"{key}: {name!r} is not a directory; {fix}")
@@ -235,7 +241,7 @@ def check_model(name: str, key: str = "models") -> ModelInfo:
         if not any(path.glob(p) for p in ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.pt")):
             raise SpecError(f"{key}: {name!r} has no weights (*.safetensors or *.bin); {fix}")
     try:
-        source = converted_embedded(embedded) if embedded else name
+        source = converted_embedded(embedded) if embedded else (str(path) if gguf is not None else name)
         config = AutoConfig.from_pretrained(source)
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # missing, gated, offline, not a causal LM: all mean "cannot plan with this model"

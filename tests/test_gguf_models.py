@@ -232,3 +232,18 @@ def test_figure_titles_show_a_short_model_name(tmp_path, monkeypatch, given, lab
     assert titles == [f"Prompt protection: {label}, K=64, r=8; n=4; numbers: paired gain with 95% CI"]
     config = {"model": given, "budget": 64, "buffer": 8, "policy": "random", "protect_prompt": True}
     assert style.geometry(config) == f"{label}, K=64, r=8, background: random + prompt"
+
+
+def test_a_grid_plans_a_local_gguf_and_names_a_bad_one(tmp_path, cache, tiny_pair):
+    """probes.grid's model check reads a local GGUF the way load_model does (converted once), and a GGUF-named file
+    that is no GGUF is a SpecError naming the key."""
+    from probes.grid_spec import SpecError, check_model
+
+    src = tmp_path / "tiny-llama.gguf"
+    write_gguf(src, tiny_pair[0])
+    info = check_model(str(src))
+    assert info.config.num_key_value_heads == 2 and info.tokenizer.eos_token == "</s>"
+    bad = tmp_path / "broken.gguf"
+    bad.write_text("<html>not found</html>")
+    with pytest.raises(SpecError, match=r"^models: .*broken\.gguf"):
+        check_model(str(bad))
