@@ -3,7 +3,7 @@
     python -m probes.leaderboard                                           # every compared selector, embedded model
     python -m probes.leaderboard --selector my_selector.py:score           # your selector ranked beside them
     python -m probes.leaderboard --policies snapkv rkv --selector examples/attention_selector.py:recent_attention
-    python -m probes.leaderboard --tasks copy passcode --problems 8 --passcode-instances 8   # a smaller look
+    python -m probes.leaderboard --tasks copy passcode --problems 8 --passcode-instances 8 --out /tmp/look  # smaller
 
 Each selector (``--policies``: registered names, default every selector the paper compared Random with;
 ``--selector``: your own ``path/to/file.py:CALLABLE`` or ``MODULE:CALLABLE``) and Random run on the embedded model's
@@ -27,7 +27,10 @@ run functions), planned as units of the ``leaderboard`` kind: ``python -m probes
 TOML grid with ``probe = "leaderboard"`` runs the same units on Ray (``python -m probes.grid``). Random's units are
 shared by every selector, so adding one later computes only its own. A selector's verdict per task is the paper's
 rule (:func:`randattn.stats.paired_comparison`): better or worse only when the paired bootstrap 95% CI and the exact
-sign test both exclude no difference, else "no detectable difference". The rows of every task (resumable: a killed
+sign test both exclude no difference, p Holm-adjusted across the board, else "no detectable difference" (with its
+minimum detectable effect). Each task's setting is registered in the board's ``spec.json`` before its first rows
+(:mod:`probes.registration`); a later run asking another setting of a registered task is refused by field before
+the model loads (another ``--out``, or ``--restart``). The rows of every task (resumable: a killed
 run resumes to the same rows) and ``leaderboard.csv`` go to ``--out`` (default
 ``data/results/leaderboard/<model>-K<T>-r<r>-s<seed>-<protection>/``); ``figures/leaderboard.png``.
 """
@@ -52,7 +55,7 @@ from analysis.planted import summarize as planted_summary
 from randattn.power import POWER, adjust, mde_normal, mde_sign, noise_rate, units_for_mde
 from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
-from . import accuracy, cli, passcode, prompt_protection, survival, units
+from . import accuracy, cli, passcode, prompt_protection, registration, survival, units
 from .common import policy_slug
 from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder
@@ -669,10 +672,35 @@ def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
     return paths
 
 
+def registered(config: Config) -> dict:
+    """``{task: spec}`` of every task this run plans (:mod:`probes.registration`): what fixes it, its grade and the
+    board's verdict rule."""
+    verdict = {"alpha": ALPHA, "adjustment": ADJUSTMENT, "power": POWER}
+    resolved = {"model": config.model or randattn.DEFAULT_MODEL, "traces": trace_label(_traces(config))}
+
+    def grade(task: str) -> str:
+        if task == "cost":
+            return f"{ROUND_COST}; {THROUGHPUT} (ratios to Random's, interleaved)"
+        metric, unit = metric_of(config, task)
+        return f"{metric}, paired by {unit}"
+
+    return {t: {**registration.task_spec(config, t, grade=grade(t), verdict=verdict), **resolved}
+            for t in config.tasks}
+
+
 def run(config: Config, model=None, tokenizer=None) -> tuple[Plan, dict]:
-    """Every pending unit here (the local backend), then the table; ``(final plan, {output path: ResultsFile})``."""
+    """Every pending unit here (the local backend), then the table; ``(final plan, {output path: ResultsFile})``.
+    The board's tasks are checked against its registered spec before the model loads, and registered before their
+    first rows."""
+    root = board_root(config, config.model or randattn.DEFAULT_MODEL)
+    wanted = registered(config)
+    registration.check(root, wanted, restart=config.restart)
     model, tok = load(config, None if model is None else (model, tokenizer))
     p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+    have_rows: dict = {}
+    for o in p.outputs:
+        have_rows[output_slot(o)] = have_rows.get(output_slot(o), False) or Path(o.path).exists()
+    registration.record(Path(p.meta["root"]), wanted, restart=config.restart, rows_exist=have_rows)
     print(f"leaderboard: {', '.join(config.selectors)} vs random | model {config.model or randattn.DEFAULT_MODEL} | "
           f"T={config.budget}, r={config.buffer}, prompt {'protected' if config.protect_prompt else 'unprotected'} | "
           f"tasks {', '.join(config.tasks)} | results in {p.meta['root']}")
