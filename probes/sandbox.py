@@ -16,7 +16,9 @@ Nothing here relies on the program's own interpreter: every protection is the ke
   message queues and semaphores (memory the address-space limit does not count); and the kernel keyring
   (``add_key``, ``request_key``, ``keyctl``: keys are kept per uid and would outlive the run).
 - **Hard limits** (``prlimit``, set before the program starts; an unprivileged process cannot raise them): address
-  space, CPU seconds, file size, no core files, and processes (threads included) of the sandbox's user.
+  space, CPU seconds, file size, no core files, processes (threads included) of the sandbox's user, and the stack
+  (8 MiB, soft and hard: the usual Linux default, which LiveCodeBench's evaluator inherits; fixed here so that how
+  deep a program can recurse does not depend on the ``ulimit -s`` of whoever runs the harness).
 - **The harness side**: the wall clock is kept here, and at the limit the namespace's first process is killed,
   which kills every process in it (a detached grandchild holding standard output open included); standard output
   is read up to ``output_mb`` MiB and the run stopped past it; only the last 64 KiB of standard error are kept;
@@ -40,6 +42,7 @@ import math
 import os
 import platform
 import re
+import resource
 import selectors
 import shutil
 import signal
@@ -78,6 +81,7 @@ class Limits:
     file_mb: int = 16  # each file, and the working folder in all
     processes: int = 16  # processes and threads of the program, all together
     output_mb: int = 16  # bytes of standard output (and of standard error) before the run is stopped
+    stack_mb: int = 8  # the main thread's stack (RLIMIT_STACK, soft and hard), at most the harness's own hard limit
 
     @property
     def cpu_seconds(self) -> int:
@@ -185,10 +189,19 @@ def _bwrap_argv(limits: Limits, files: Mapping[str, int], seccomp_fd: Optional[i
                  "--inh-caps=-all", "--bounding-set=-all"]
     else:
         argv += ["--unshare-user", "--", *shell]
-    mb = 2**20
+    mb, stack = 2**20, _stack_bytes(limits)
     argv += ["prlimit", f"--as={limits.memory_mb * mb}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
-             f"--fsize={limits.file_mb * mb}", "--core=0", f"--nproc={limits.processes}", "--"]
+             f"--fsize={limits.file_mb * mb}", "--core=0", f"--nproc={limits.processes}", f"--stack={stack}:{stack}",
+             "--"]
     return argv
+
+
+def _stack_bytes(limits: Limits) -> int:
+    """The stack limit in bytes: ``stack_mb``, or the harness's own hard limit where that is lower (an unprivileged
+    process cannot raise it)."""
+    hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+    want = limits.stack_mb * 2**20
+    return want if hard == resource.RLIM_INFINITY else min(want, hard)
 
 
 _slots = threading.Condition()
@@ -313,7 +326,8 @@ sys.exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS
 def _rlimits(limits: Limits) -> dict:
     mb = 2**20
     return {"RLIMIT_AS": (limits.memory_mb * mb,) * 2, "RLIMIT_CPU": (limits.cpu_seconds, limits.cpu_seconds + 1),
-            "RLIMIT_FSIZE": (limits.file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0)}
+            "RLIMIT_FSIZE": (limits.file_mb * mb,) * 2, "RLIMIT_CORE": (0, 0),
+            "RLIMIT_STACK": (_stack_bytes(limits),) * 2}
 
 
 def _oom_kills() -> int:
@@ -325,9 +339,13 @@ def _oom_kills() -> int:
 
 
 def run_python(files: Mapping[str, str], main: str, args: Sequence[str], stdin: bytes, limits: Limits = Limits(),
-               *, unsafe: bool = False, _checked: bool = False) -> Outcome:
-    """``python -I -B <files dir>/<main> *args`` with ``stdin`` on standard input, in the sandbox (or, with
-    ``unsafe``, as a plain limited subprocess); the working folder is an empty private one."""
+               *, file_args: Sequence[str] = (), unsafe: bool = False, _checked: bool = False) -> Outcome:
+    """``python -I -B <files dir>/<main> <files dir>/<each of file_args> *args`` with ``stdin`` on standard input,
+    in the sandbox (or, with ``unsafe``, as a plain limited subprocess); the working folder is an empty private
+    one. ``file_args`` are names of ``files``, passed as their paths where the program sees them."""
+    missing = [name for name in (main, *file_args) if name not in files]
+    if missing:
+        raise ValueError(f"not among the files: {missing}")
     if not unsafe and not _checked:
         require()
     with contextlib.ExitStack() as stack:
@@ -338,9 +356,9 @@ def run_python(files: Mapping[str, str], main: str, args: Sequence[str], stdin: 
             src.mkdir()
             work.mkdir()
             for name, text in files.items():
-                (src / name).write_text(text)
+                (src / name).write_text(text, encoding="utf-8")
             argv = [sys.executable, "-I", "-B", "-c", _SUPERVISOR, json.dumps(_rlimits(limits)),
-                    sys.executable, "-I", "-B", str(src / main), *args]
+                    sys.executable, "-I", "-B", *(str(src / name) for name in (main, *file_args)), *args]
             popen = dict(cwd=work, env={**ENV, "HOME": str(work)})
         else:
             opened = [stack.enter_context(_data_file(text.encode())) for text in files.values()]
@@ -351,7 +369,7 @@ def run_python(files: Mapping[str, str], main: str, args: Sequence[str], stdin: 
             status_dir = Path(tmp) / "status"
             status_dir.mkdir(mode=0o700)
             argv = _bwrap_argv(limits, fds, seccomp_file.fileno() if seccomp_file else None, uid, str(status_dir))
-            argv += [sys.executable, "-I", "-B", f"{SANDBOX_DIR}/{main}", *args]
+            argv += [sys.executable, "-I", "-B", *(f"{SANDBOX_DIR}/{name}" for name in (main, *file_args)), *args]
             popen = dict(cwd=tmp, env=dict(ENV), pass_fds=[f.fileno() for f in opened + [seccomp_file] if f])
         ooms = _oom_kills()
         t0 = time.monotonic()

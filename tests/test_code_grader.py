@@ -4,13 +4,14 @@ outside the sandbox, and the refusal where the sandbox is missing (the attacks: 
 import json
 import os
 import shutil
+import sys
 import time
 
 import pytest
 
 from probes import sandbox
-from probes.code_grader import (SandboxUnavailable, _verdict, extract_program, network_isolation, output_difference,
-                                outputs_match, run_test, run_tests)
+from probes.code_grader import (PRELUDE, SandboxUnavailable, _verdict, extract_program, network_isolation,
+                                output_difference, outputs_match, run_test, run_tests)
 from probes.tasks import code_problem, grade_code
 from tests.test_sandbox_attacks import processes_with
 
@@ -221,3 +222,122 @@ def test_livecodebench_rows_become_problems_graded_by_their_tests(sandboxed):
     wrong = grade_code("```python\nprint(7)\n```", prob)  # passes the public test, fails the private one
     assert wrong.score == 0.0 and "test 2: wrong_answer" in wrong.extracted
     assert grade_code("I cannot solve it.", prob).score == 0.0
+
+
+# -- LiveCodeBench's execution (probes/code_grader.py's module docstring) ----------------------------------------
+def _recursion(depth, decorator=""):
+    return (f"{decorator}def down(k):\n    return 0 if k == 0 else 1 + down(k - 1)\n"
+            f"print(down({depth}) - {depth - 7})\n")
+
+
+# (name, program, expected output, verdict, detail). Before, programs ran as plain scripts and every row got another
+# verdict or detail (NameError, RecursionError, exit status 1, ...) but those marked `as before`, which pin the rule
+LCB_STDIN = [
+    ("defaultdict, no import", "d = defaultdict(int)\nfor x in input().split():\n    d[0] += int(x)\nprint(d[0])\n",
+     "7", "pass", ""),
+    ("heappush, inf, reduce, no import", "h = []\nfor x in input().split():\n    heappush(h, int(x))\n"
+                                         "print(reduce(add, h) if inf > 0 else 0)\n", "7", "pass", ""),
+    ("datetime is the module", "print(datetime.date(2024, 1, 7).day)\n", "7", "pass", ""),
+    ("recursion 20,000 deep", _recursion(20_000), "7", "pass", ""),
+    ("recursion 49,000 deep", _recursion(49_000), "7", "pass", ""),
+    ("recursion past the limit", _recursion(51_000), "7", "error", "RecursionError"),  # as before
+    ("exit(1) after the answer", "print(7)\nimport sys\nsys.exit(1)\n", "7", "pass", ""),
+    ("exit('message') after the answer", "print(7)\nexit('done')\n", "7", "pass", ""),
+    ("a top-level return", "a, b = map(int, input().split())\nif a < b:\n    print(a + b)\n    return\nprint(0)\n",
+     "7", "pass", ""),
+    ("a 5,000-digit int printed", "print(10 ** 5000)\n", "1" + "0" * 5000, "pass", ""),
+    # as before: the last statement `if __name__ == "__main__":` is replaced by its body
+    ("a last __main__ block", "import sys\ndef main():\n    print(sum(map(int, sys.stdin.read().split())))\n"
+                              'if __name__ == "__main__":\n    main()\n', "7", "pass", ""),
+    # LiveCodeBench's rule where a script runs otherwise: the program is the body of a function
+    ("a __main__ block not last", "def main():\n    print(7)\nif __name__ == '__main__':\n    main()\nx = 1\n", "7",
+     "wrong_answer", "printed '', expected '7'"),
+    ("global across the wrapper", "def add(x):\n    global total\n    total += x\ntotal = 0\n"
+                                  "for x in map(int, input().split()):\n    add(x)\nprint(total)\n", "7", "error",
+     "NameError: name 'total' is not defined"),
+    ("__name__", "print(__name__)\n", "solution", "pass", ""),
+    ("from __future__ after the prelude", "from __future__ import annotations\nprint(7)\n", "7", "error",
+     "SyntaxError: from __future__ imports must occur at the beginning of the file"),
+    ("imports alone", "import sys\n", "", "error", "SyntaxError: the program has no statement but imports"),
+]
+
+
+@pytest.mark.parametrize("name,program,expected,verdict,detail", LCB_STDIN, ids=[row[0] for row in LCB_STDIN])
+def test_stdin_programs_run_as_in_livecodebench(name, program, expected, verdict, detail, sandboxed):
+    r = run_test(program, {**STDIN, "output": expected})
+    assert r.verdict == verdict and detail in r.detail, (name, r)
+
+
+# (name, program, verdict, detail) against FUNCTIONAL; the last two as before (the other rows were errors)
+LCB_FUNCTIONAL = [
+    ("List[int], no import", "class Solution:\n    def f(self, xs: List[int], y: int) -> Optional[int]:\n"
+                             "        return sum(xs) + y\n", "pass", ""),
+    ("Counter and lru_cache, no import", "class Solution:\n    def f(self, xs, y):\n        @lru_cache(None)\n"
+                                         "        def g(k):\n            return k + y\n"
+                                         "        return g(sum(Counter(xs).elements()))\n", "pass", ""),
+    ("recursion 20,000 deep", "class Solution:\n    def f(self, xs, y):\n        def down(k):\n"
+                              "            return 0 if k == 0 else 1 + down(k - 1)\n"
+                              "        return down(20000) - 19990\n", "pass", ""),
+    ("a function of its own, no class", "def f(xs, y):\n    return sum(xs) + y\n", "pass", ""),
+    ("`class Solution` in a comment alone", "# class Solution\ndef f(xs, y):\n    return sum(xs) + y\n", "error",
+     "no class Solution defined"),
+    ("from __future__ after the prelude", "from __future__ import annotations\nclass Solution:\n"
+                                          "    def f(self, xs, y):\n        return sum(xs) + y\n", "error",
+     "SyntaxError: from __future__ imports must occur at the beginning of the file"),
+    ("exit() in the method", "class Solution:\n    def f(self, xs, y):\n        exit(0)\n", "error", ""),
+]
+
+
+@pytest.mark.parametrize("name,program,verdict,detail", LCB_FUNCTIONAL, ids=[row[0] for row in LCB_FUNCTIONAL])
+def test_functional_programs_run_as_in_livecodebench(name, program, verdict, detail, sandboxed):
+    r = run_test(program, FUNCTIONAL, fn_name="f")
+    assert r.verdict == verdict and detail in r.detail, (name, r)
+
+
+def test_the_prelude_is_livecodebenchs():
+    modules = ["string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
+               "itertools", "functools", "operator", "io", "sys", "json"]
+    assert PRELUDE.splitlines() == ([f"from {m} import *" for m in modules + ["builtins", "typing"]]
+                                    + [f"import {m}" for m in modules] + ["sys.setrecursionlimit(50000)"])
+
+
+STACK = "import resource\nprint(*resource.getrlimit(resource.RLIMIT_STACK))\n"
+
+
+def test_the_stack_is_8_mib_whatever_the_harness_has(sandboxed):
+    """The harness's own `ulimit -s` (here 8 MiB soft, unlimited hard) went through to the program, so how deep it
+    could recurse depended on who ran the grader. Now 8 MiB, soft and hard, in the sandbox and in the unsafe mode."""
+    for unsafe in (False, True):
+        r = run_test(STACK, {**STDIN, "output": f"{8 * 2**20} {8 * 2**20}"}, unsafe=unsafe)
+        assert r.verdict == "pass", (unsafe, r)
+
+
+def test_recursion_through_c_that_overflows_the_stack_is_reported_as_a_crash(sandboxed):
+    """Under the recursion limit of 50,000, recursion through functools.lru_cache uses the C stack: on Python 3.10
+    and 3.11 20,000 levels overflow 8 MiB and the interpreter dies of SIGSEGV (LiveCodeBench's evaluator loses its
+    process the same way); 3.12 and later stop it with RecursionError. Either way an error, named for what it is."""
+    r = run_test(_recursion(20_000, "@lru_cache(None)\n"), STDIN)
+    want = "killed by signal 11 (SIGSEGV)" if sys.version_info < (3, 12) else "RecursionError"
+    assert r.verdict == "error" and want in r.detail, r
+    if sys.version_info < (3, 12):
+        assert "the interpreter crashed" in r.detail, r
+    assert run_test(_recursion(12_000, "@lru_cache(None)\n"), STDIN).verdict == "pass"  # within the stack
+    crash = _verdict(sandbox.Outcome(128 + 11, b"", b"", 0.5, cpu_seconds=0.4), STDIN, "stdin", sandbox.Limits())
+    assert crash.detail.startswith("killed by signal 11 (SIGSEGV) after 0.5 s, 0.4 s of CPU time: the interpreter "
+                                   "crashed"), crash
+
+
+def test_the_unsafe_mode_runs_programs_as_livecodebench_too():
+    prelude = "d = defaultdict(int)\nfor x in input().split():\n    d[0] += int(x)\nprint(d[0])\nexit(3)\n"
+    assert run_test(prelude, STDIN, unsafe=True).verdict == "pass"
+    typed = "class Solution:\n    def f(self, xs: List[int], y: int) -> int:\n        return sum(xs) + y\n"
+    assert run_test(typed, FUNCTIONAL, fn_name="f", unsafe=True).verdict == "pass"
+    assert run_test(_recursion(20_000), STDIN, unsafe=True).verdict == "pass"
+
+
+def test_run_python_passes_files_as_their_paths_inside(sandboxed):
+    o = sandbox.run_python({"a.py": "import sys\nprint(sys.argv[1:])\n", "b.txt": "x"}, "a.py", ["z"], b"",
+                           file_args=["b.txt"])
+    assert o.stdout == b"['/sandbox/b.txt', 'z']\n", o
+    with pytest.raises(ValueError, match="not among the files"):
+        sandbox.run_python({"a.py": ""}, "a.py", [], b"", file_args=["b.txt"])

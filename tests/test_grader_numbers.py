@@ -5,7 +5,8 @@ LiveCodeBench/LiveCodeBench, the version at commit 15808c76fbd4): for stdin test
 output and the expected one, splits both at "\\n", strips each line, fails on a different line count, and then per
 line passes "CASE 1: exact match" or else "CASE 2": every ``line.split()`` token through ``decimal.Decimal`` (a
 failed conversion fails the test) and the two lists of Decimals ``==``. For functional tests ``grade_call_based``
-``json.loads`` the expected output, turns a returned tuple into a list and tests ``prediction == gt_out``. The
+``json.loads`` the expected output, turns a returned tuple into a list and tests ``prediction == gt_out``, in a
+process whose int-string limit its ``compute_code_generation_metrics`` raised to 50,000 digits. The
 comments say which step decides each row; rows marked DELIBERATE are where randattn decides otherwise, on purpose
 (see probes/code_grader.py's module docstring).
 """
@@ -71,6 +72,7 @@ FUNCTIONAL_CASES = [
     ("(1, 2)", "[1, 2]", True),  # a returned tuple is made a list first
     ("float('inf')", "1e309", True),  # json.loads('1e309') is float inf too
     ("10 ** 30", "1000000000000000000000000000000", True),  # exact ints
+    ("10 ** 5000", "1" + "0" * 5000, True),  # past Python's default 4,300 digits, within the evaluator's 50,000
     ("None", "null", True),
     ("[[1, 2], [3]]", "[[1, 2], [3]]", True),
     # DELIBERATE: LiveCodeBench fails these ([(1, 2)] != [[1, 2]], {1: 2} != {"1": 2}); the result leaves the sandbox
@@ -104,3 +106,17 @@ def test_stdin_comparison_through_the_sandbox(sandboxed):
                                    ("inf", "1e309", False)]:
         r = run_test(f"print({printed!r})\n", {"input": "", "output": expected, "testtype": "stdin"})
         assert r.verdict == ("pass" if lcb else "wrong_answer"), (printed, r)
+
+
+def test_ints_up_to_livecodebenchs_digit_limit(sandboxed):
+    """A 5,000-digit result was an error (Python's int-string limit of 4,300 digits, in the sandbox's json.dumps and
+    the harness's json.loads). LiveCodeBench's evaluator raises the limit to 50,000 for the whole process: 50,000
+    digits compare; past that its own comparison fails too (str() of the prediction raises: Runtime Error)."""
+    program = "class Solution:\n    def f(self, x):\n        return 10 ** x\n"
+    for power, verdict in ((4999, "pass"), (49_999, "pass"), (50_000, "error")):
+        expected = "1" + "0" * min(power, 49_999)
+        r = run_test(program, {"input": str(power), "output": expected, "testtype": "functional"}, fn_name="f")
+        assert r.verdict == verdict, (power, r)
+    wrong = run_test(program.replace("10 ** x", "10 ** x + 1"),
+                     {"input": "4999", "output": "1" + "0" * 4999, "testtype": "functional"}, fn_name="f")
+    assert wrong.verdict == "wrong_answer" and wrong.detail.startswith("returned 1000"), wrong  # shown, not raised
