@@ -25,13 +25,15 @@ from .results import git_revision
 
 SPEC_FILE = "spec.json"
 FORMAT = "randattn board spec 1"
-#: Per task, the Config fields that set it (besides the eviction setting every task shares).
+#: Per task, the Config fields that set its rows and verdict (besides the eviction setting every task shares). Not
+#: among them: ``--full-attention`` and ``--recall``, which add descriptive columns (a ceiling, Recall R) beside the
+#: verdict and rows beside the policy's, never changing either, so a registered board may gain them.
 TASK_FIELDS = {
-    "copy": ("accuracy_task", "data", "problems", "runs", "max_new_tokens", "full_attention"),
+    "copy": ("accuracy_task", "data", "problems", "runs", "max_new_tokens"),
     "repeat": ("repeat_problems", "compression", "runs", "max_new_tokens"),
-    "question": ("instances", "body", "batch", "full_attention"),
+    "question": ("instances", "body", "batch"),
     "passcode": ("passcode_instances", "rounds", "batch"),
-    "planted": ("planted_instances", "distance", "batch", "recall"),
+    "planted": ("planted_instances", "distance", "batch"),
     "cost": ("cost_repeats", "cost_rounds", "cost_batch"),
 }
 SHARED_FIELDS = ("model", "budget", "buffer", "protect_prompt", "seed", "stats", "traces")
