@@ -18,6 +18,7 @@ slot precedes every new query).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -68,6 +69,20 @@ def select_keep(scores: torch.Tensor, *, keep: int, recent: int, pinned: Optiona
         tail = torch.arange(n, n + recent, device=kept.device).expand(*kept.shape[:2], recent)
         kept = torch.cat([kept, tail], dim=-1)
     return kept
+
+
+def _device_memory(device: torch.device) -> Optional[int]:
+    """Total bytes of memory on ``device`` (physical RAM for the CPU), or ``None`` when it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "cpu":
+            import os
+
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+    return None
 
 
 def _layers_and_kv_heads(config) -> "tuple[Optional[int], Optional[int]]":
@@ -212,6 +227,7 @@ class EvictingLayer(CacheLayerMixin):
         if self.parent.needs_attention:
             hq = self._step_queries.shape[1] if self._step_queries is not None else h
             fields["attention"] = torch.zeros((b, hq, 0), dtype=torch.float32, device=key_states.device)
+        self._refuse_unallocatable_room(fields)
         if self.parent.pads is not None:
             if len(self.parent.pads) != b:
                 raise ValueError(f"the padding the cache was told covers {len(self.parent.pads)} rows but layer "
@@ -219,6 +235,20 @@ class EvictingLayer(CacheLayerMixin):
             self.held, self.row_rounds, self.row_round_lengths = [0] * b, [0] * b, [[] for _ in range(b)]
         self._store(**fields)
         self.is_initialized = True
+
+    def _refuse_unallocatable_room(self, fields: dict) -> None:
+        """Every layer preallocates room for ``T + r`` pairs per head (:meth:`_store`). A budget whose room for one
+        layer exceeds the device's whole memory can never be allocated: refuse it naming the budget, before torch's
+        allocator fails deep inside the forward."""
+        p = self.parent
+        room = p.budget + p.buffer
+        need = room * sum(math.prod((*t.shape[:2], *t.shape[3:])) * t.element_size() for t in fields.values())
+        total = _device_memory(self.device)
+        if total is not None and need > total:
+            raise SpecError("budget", f"budget T={p.budget} is too large: each layer preallocates room for T + r = "
+                            f"{room:,} pairs per KV head, {need / 2**30:,.1f} GiB for layer {self.layer_idx} alone, "
+                            f"more than all the memory of {self.device} ({total / 2**30:,.1f} GiB); a budget above "
+                            f"the longest sequence a row reaches (prompt + new tokens) never evicts, so use at most that")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if key_states.dim() != 4:
@@ -425,7 +455,7 @@ class EvictingCache(Cache):
         # learnt from the forwards): keep-mask rules naming a layer or head outside it are refused.
         self._model_shape: Optional[tuple[Optional[int], Optional[int]]] = None
         self._bound_model = None  # the model bind() last checked the policy against
-        self._shared: Optional[tuple] = None  # (round key, per-layer scores) of a policy scored across layers
+        self._shared: Optional[tuple] = None  # (seq_len, {round key: per-layer scores}): a policy scored across layers
         needs = set(getattr(self.policy, "needs", ()))
         self.needs_attention = "attention" in needs
         self.needs_queries = bool(needs & {"queries", "attention"})
@@ -550,32 +580,55 @@ class EvictingCache(Cache):
         device = attention_mask.device if attention_mask is not None else layer.keys.device
         return by_slot.to(device)
 
-    def _refuse_unseen_padding(self) -> None:
+    def _refuse_unseen_padding(self, first: bool = False) -> None:
         """A model randattn does not guard builds its mask from the 2D padding mask by slot, which is wrong after a
         round in a padded batch: find the mask the model was given (its forward's ``attention_mask``) and refuse
-        padding or a 4D mask before anything is stored."""
+        padding or a 4D mask before anything is stored. At the first forward (``first``) the model found is also
+        checked as the guarded paths check it (:func:`randattn.check_model`: e.g. ALiBi biases over slots)."""
         import sys
 
         from transformers import PreTrainedModel
 
+        # The whole stack is walked: any depth of wrappers around the attention modules stays in sight. A model
+        # seen only where its mask is not (a call frame without it, a compiled forward) is refused, not trusted.
+        fix = ("Call randattn.install_guards(model) once (randattn.load_model does), or use randattn.generate / "
+               "randattn.decode_step(attention_mask=...); then left-padded batches are exact")
+        hidden = None
         frame = sys._getframe(2)
-        for _ in range(24):
-            if frame is None:
-                return
-            if frame.f_code.co_name == "forward" and "attention_mask" in frame.f_code.co_varnames:
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name in ("forward", "_call_impl", "_wrapped_call_impl"):
                 local = frame.f_locals
-                if isinstance(local.get("self"), PreTrainedModel):
-                    mask = local.get("attention_mask")
-                    if torch.is_tensor(mask) and (mask.dim() != 2 or not bool(mask.all())):
-                        what = "a padded batch" if mask.dim() == 2 else f"a {mask.dim()}D attention mask"
-                        raise ValueError(
-                            f"EvictingCache got {what} on a model randattn does not guard, where HF would map the "
-                            f"mask onto cache slots by position (wrong once heads evict different positions). Call "
-                            f"randattn.install_guards(model) once (randattn.load_model does), or use "
-                            f"randattn.generate / randattn.decode_step(attention_mask=...); then left-padded batches "
-                            f"are exact")
-                    return
+                model = local.get("self")
+                if isinstance(model, PreTrainedModel):
+                    kwargs = local.get("kwargs")  # a module call's **kwargs, where the mask may travel
+                    if "attention_mask" in code.co_varnames or (isinstance(kwargs, dict) and "attention_mask" in kwargs):
+                        if first:
+                            self._check_model(model)
+                        mask = (local.get("attention_mask") if "attention_mask" in code.co_varnames
+                                else kwargs["attention_mask"])
+                        if torch.is_tensor(mask) and (mask.dim() != 2 or not bool(mask.all())):
+                            what = "a padded batch" if mask.dim() == 2 else f"a {mask.dim()}D attention mask"
+                            raise ValueError(
+                                f"EvictingCache got {what} on a model randattn does not guard, where HF would map the "
+                                f"mask onto cache slots by position (wrong once heads evict different positions). "
+                                f"{fix}")
+                        return
+                    hidden = model
             frame = frame.f_back
+        if hidden is not None:
+            if first:
+                self._check_model(hidden)
+            raise ValueError(
+                f"EvictingCache cannot see the attention mask of the model it serves ({type(hidden).__name__}, which "
+                f"randattn does not guard), so it cannot tell whether a padded batch would be mapped onto cache slots "
+                f"by position (wrong once heads evict different positions). {fix}")
+
+    @staticmethod
+    def _check_model(model) -> None:
+        from .models import check_model
+
+        check_model(model)  # an ALiBi model handed to its own model.generate is refused as the loaded path refuses it
 
     def __repr__(self) -> str:
         return (
@@ -650,7 +703,9 @@ class EvictingCache(Cache):
             self._learn_shape(layer_idx, key_states)  # before this layer stores anything of this forward
         layer = self._layer(layer_idx)
         if layer_idx == 0 and self._mask_told_at != layer.seq_len:
-            self._refuse_unseen_padding()
+            self._refuse_unseen_padding(first=layer.seq_len == 0)
+        if layer_idx == 0 and getattr(self.policy, "scope", "layer") == "model":
+            self._refuse_shared_round_mid_forward(layer, key_states.shape[-2])
         if layer.seq_len == 0 and self.prompt_len is None:
             self.prompt_len = key_states.shape[-2]
             self._check_prompt_fits(self.prompt_len - (min(self.pads) if self.pads else 0))
@@ -955,6 +1010,7 @@ class EvictingCache(Cache):
             seed=self.seed,
             protect_prompt=self.protect_prompt,
             pinned=self._pinned(layer.layer_idx, positions, prompt_len),
+            row_key=self.row_keys[rows[0]] if rows is not None and self.row_keys is not None else None,
         )
 
     def _pinned(self, layer_idx: int, positions: torch.Tensor, prompt_len: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -971,15 +1027,19 @@ class EvictingCache(Cache):
         # A policy scored across layers (TriAttention's per-head keep-set shared by all layers) is scored once
         # per round, when the first layer reaches it: every layer's candidates are already stored then, since
         # they exclude the newest `recent` pairs, which this forward is still writing into the later layers.
-        key = (view.round_idx, layer.seq_len, view.shape[-1], None if rows is None else tuple(rows))
-        if self._shared is None or self._shared[0] != key:
-            n = view.shape[-1]
+        # Memoised per row group for the forward in progress: a round where several groups are due at once (rows with
+        # their own row keys, or padded rows whose rounds coincide) scores each group from every layer's candidates
+        # before the first layer compacts, and each later layer must reuse that group's scores, not rescore it from
+        # the already-compacted first layer.
+        if self._shared is None or self._shared[0] != layer.seq_len:
+            self._shared = (layer.seq_len, {})
+        memo = self._shared[1]
+        key = (view.round_idx, view.shape[-1], None if rows is None else tuple(rows))
+        n = view.shape[-1]
+        if key not in memo:
             short = [l.layer_idx for l in self.layers if l.physical_length < n + offset]
             if short:
-                raise ValueError(
-                    f"policy {self.policy.name!r} scores all layers at once, but layers {short} do not hold the "
-                    f"{n} candidates of this round yet (a round inside a forward of more than recent={self.recent} "
-                    f"tokens, e.g. an unprotected prefill longer than T + r); use its per-layer variant")
+                raise self._shared_round_refusal(short, n)
             views = [view if l is layer else self.view(l, n, layer.seq_len, rows=rows, offset=offset)
                      for l in self.layers]
             scores = self._run_policy(lambda: self.policy.score_layers(views), views, f"round {view.round_idx}")
@@ -987,8 +1047,33 @@ class EvictingCache(Cache):
                 got = f"{len(scores)} score tensors" if isinstance(scores, (list, tuple)) else type(scores).__name__
                 raise TypeError(f"policy {self.policy.name!r}: score_layers returned {got} at round {view.round_idx}; "
                                 f"expected a list of {len(views)}, one per layer in order")
-            self._shared = (key, [self._check_shape(v, s) for v, s in zip(views, scores)])
-        return self._shared[1][layer.layer_idx]
+            memo[key] = [self._check_shape(v, s) for v, s in zip(views, scores)]
+        if layer.layer_idx >= len(memo[key]):  # a layer that did not exist yet when the round was scored
+            raise self._shared_round_refusal([layer.layer_idx], n)
+        return memo[key][layer.layer_idx]
+
+    def _refuse_shared_round_mid_forward(self, layer: EvictingLayer, q: int) -> None:
+        """A keep-set shared by all layers is scored from every layer's candidates when the first layer reaches the
+        round; in a forward of more than ``recent`` tokens the later layers do not hold them yet. Refused before the
+        first layer stores anything (an unprotected prompt longer than ``T + r`` is the common case)."""
+        if q <= self.recent:
+            return
+        most = layer.physical_length + q - (min(self.pads) if self.pads and layer.seq_len == 0 else 0)
+        if most < self.budget + self.buffer:
+            return
+        what = f"an unprotected prompt of {q} tokens" if layer.seq_len == 0 else f"a forward of {q} tokens"
+        raise ValueError(
+            f"policy {self.policy.name!r} scores all layers at once when the first layer reaches a round, but "
+            f"{what} reaches one (at T + r = {self.budget + self.buffer} pairs) before the later layers hold its "
+            f"candidates (only a forward of at most recent={self.recent} tokens can); protect the prompt, raise the "
+            f"budget above the prompt, feed at most {self.recent} tokens per forward, or use its per-layer variant "
+            f"(shared_layers=False)")
+
+    def _shared_round_refusal(self, short: list, n: int) -> ValueError:
+        return ValueError(
+            f"policy {self.policy.name!r} scores all layers at once, but layers {short} do not hold the "
+            f"{n} candidates of this round yet (a round inside a forward of more than recent={self.recent} "
+            f"tokens, e.g. an unprotected prefill longer than T + r); use its per-layer variant")
 
     def select(self, layer: EvictingLayer) -> torch.Tensor:
         """Sorted slot indices ``[B, H_kv, T]`` each head keeps at this layer's round (see :func:`select_keep`)."""
@@ -1031,7 +1116,12 @@ class EvictingCache(Cache):
                     out = call()
             else:
                 out = call()
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # sys.exit() or another BaseException from inside a policy is its failure too
+            if isinstance(exc, SystemExit):
+                raise RuntimeError(f"policy {self.policy.name!r} failed at {where}: it called sys.exit({exc.code!r}); "
+                                   f"a policy must return scores or raise") from exc
             if "Inplace update to inference tensor" in str(exc):
                 names = ", ".join(f"view.{name}" for name in self._SHOWN)
                 raise RuntimeError(f"policy {self.policy.name!r} wrote into one of the tensors it is shown ({names}) "
@@ -1058,6 +1148,9 @@ class EvictingCache(Cache):
         if scores.device != view.positions.device:  # a meta or other-device tensor fails deep inside torch otherwise
             raise ValueError(f"policy {self.policy.name!r} returned scores on device {scores.device} {where}; the "
                              f"cache is on {view.positions.device}: create them there (device=view.keys.device)")
+        if scores.is_complex():  # a cast to float32 would drop the imaginary part with only torch's warning
+            raise ValueError(f"policy {self.policy.name!r} returned complex scores ({scores.dtype}) {where}; a round "
+                             f"ranks real numbers: return a real tensor (e.g. its .abs() or .real, whichever you mean)")
         wide = scores
         scores = scores.to(torch.float32)
         # Rounds rank in float32, where +inf is a pin and -inf a forced eviction: a finite float64 score beyond

@@ -23,11 +23,30 @@ def _check_fresh(cache: EvictingCache, where: str) -> None:
     refuse_used_cache(cache, where)
 
 
-def _check_ids(input_ids, where: str) -> None:
-    # An empty batch or prompt would fail deep inside the model (a reshape of 0 elements) with no hint.
+def _check_ids(model, input_ids, where: str) -> None:
+    # An empty batch or prompt would fail deep inside the model (a reshape of 0 elements) with no hint; float ids or
+    # ids outside the embedding table fail inside the embedding lookup (on CUDA as a device-side assert).
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.numel() == 0:
         got = f"shape {tuple(input_ids.shape)}" if torch.is_tensor(input_ids) else f"a {type(input_ids).__name__}"
         raise ValueError(f"{where}: input_ids must be [batch, tokens] with at least one row and one token, got {got}")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"{where}: input_ids must hold integer token ids (torch.long), got a {input_ids.dtype} tensor")
+    vocab = _vocab_size(model)
+    if vocab is not None:
+        low, high = (int(v) for v in torch.stack([input_ids.min(), input_ids.max()]).tolist())  # one sync
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"{where}: input_ids holds token id {bad}, outside the model's vocabulary "
+                             f"(ids 0..{vocab - 1})")
+
+
+def _vocab_size(model):
+    """Rows of the model's input embedding (what a token id indexes), else the config's vocab_size, else None."""
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError, TypeError):
+        rows = getattr(getattr(model, "config", None), "vocab_size", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
 
 
 def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_mask=None, **generate_kwargs) -> torch.Tensor:
@@ -39,7 +58,7 @@ def generate(model, input_ids: torch.Tensor, cache: EvictingCache, *, attention_
     ``cache`` must be fresh (a new EvictingCache, or one after ``cache.reset()``): one that already holds a
     sequence is refused, as ``model.generate`` refuses it once :func:`randattn.install_guards` ran."""
     _check_fresh(cache, "randattn.generate")
-    _check_ids(input_ids, "randattn.generate")
+    _check_ids(model, input_ids, "randattn.generate")
     _refuse_cache_misuse(model, {**generate_kwargs, "cache": cache}, "randattn.generate", forward=False)
     install_guards(model)
     if attention_mask is not None:
@@ -78,7 +97,7 @@ def decode_step(model, input_ids: torch.Tensor, cache: EvictingCache, *, logits_
     mask given then must cover cached + new tokens). Each row then gets its own positions (first real token at 0)
     and runs as its prompt alone. 4D masks are refused.
     """
-    _check_ids(input_ids, "randattn.decode_step")
+    _check_ids(model, input_ids, "randattn.decode_step")
     if getattr(model, "_randattn_checks_handle", None) is None:
         install_guards(model)  # once: a model loaded without randattn gets the same checks and warnings
     start = cache.get_seq_length()
@@ -144,7 +163,7 @@ class _Collector:
 
 def _prefill(model, input_ids, cache, prompt_len, score_from: int = 0):
     _check_fresh(cache, "randattn.replay")
-    _check_ids(input_ids, "randattn.replay")
+    _check_ids(model, input_ids, "randattn.replay")
     install_guards(model)
     t = input_ids.shape[1]
     try:

@@ -73,6 +73,8 @@ class CacheView:
         the policy lists ``"queries"`` in ``needs``; ``scaling`` is the attention's softmax scale.
     attention: accumulated attention received per slot and query head ``[B, H_q, S]``, when the
         policy lists ``"attention"`` in ``needs``.
+    row_key: the row's key (an int) when the cache has row keys: the view is then one row, whose keep-sets must
+        not depend on the batch it sits in; ``None`` otherwise.
     """
 
     keys: torch.Tensor
@@ -93,6 +95,7 @@ class CacheView:
     seed: int = 0
     protect_prompt: bool = False
     pinned: Optional[torch.Tensor] = None
+    row_key: Optional[int] = None
 
     @property
     def keep(self) -> int:

@@ -343,6 +343,8 @@ class VaSEPolicy(Policy):
     ``log(snap_i) + G_i``, the same distribution as ``torch.multinomial`` without replacement). Candidates
     the core already pins (the protected prompt: the paper's ``range_sink_sample_attn_pp``) are left out of
     the top set and the sample, which then fill the places left: ``min(n_top, keep - pinned)`` and the rest.
+    With row keys (``view.row_key`` set) the value range is ranked at bfloat16 precision, so that the last-bit
+    rounding of a batch's matmuls cannot reorder a token's tied copies (docs/cache.md, row keys).
     """
 
     needs = frozenset({"queries"})
@@ -360,7 +362,14 @@ class VaSEPolicy(Policy):
     def score(self, view: CacheView) -> torch.Tensor:
         self._snap.name = self.name
         snap = self._snap.importance(view)
-        vrange = (view.values.amax(dim=-1) - view.values.amin(dim=-1)).to(torch.float32)  # [B, H, S]
+        vrange = view.values.amax(dim=-1) - view.values.amin(dim=-1)  # [B, H, S]
+        if view.row_key is not None:
+            # Row keys promise keep-sets that do not depend on the batch. At layer 0 a value depends on the token only,
+            # so a prompt token generated again ties its copy up to one rounding (one came from the prefill's matmul,
+            # one from a decode step's), and which rounds higher follows the batch's shapes. Ranked at bfloat16
+            # precision (the paper's engine's dtype) the two are equal, and every batch breaks the tie alike.
+            vrange = vrange.to(torch.bfloat16)
+        vrange = vrange.to(torch.float32)
         vrange = vrange.masked_fill(view.positions < self.n_sink, math.inf)
         pinned = view.pinned
         n_pinned = 0
