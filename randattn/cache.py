@@ -85,6 +85,18 @@ def _device_memory(device: torch.device) -> Optional[int]:
     return None
 
 
+# randattn.check_model, handed over by randattn.decoding (randattn.models imports this module, so this module cannot
+# import it): the cache runs it on a model it finds serving it without randattn's guards.
+_model_check: Optional[Callable] = None
+
+
+def set_model_check(check: Callable) -> None:
+    """The check the cache runs at its first forward on a model randattn does not guard (:func:`randattn.check_model`,
+    set when randattn is imported)."""
+    global _model_check
+    _model_check = check
+
+
 def _layers_and_kv_heads(config) -> "tuple[Optional[int], Optional[int]]":
     """``(layers, KV heads)`` of a decoder config, each ``None`` when the config does not say it as one int."""
     text = config.get_text_config(decoder=True)
@@ -626,9 +638,8 @@ class EvictingCache(Cache):
 
     @staticmethod
     def _check_model(model) -> None:
-        from .models import check_model
-
-        check_model(model)  # an ALiBi model handed to its own model.generate is refused as the loaded path refuses it
+        if _model_check is not None:  # an ALiBi model handed to its own model.generate is refused as load_model does
+            _model_check(model)
 
     def __repr__(self) -> str:
         return (

@@ -11,8 +11,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ._memory import release_free_memory
-from .cache import EvictingCache
-from .models import _refuse_cache_misuse, cache_argument_name, install_guards, refuse_used_cache
+from .cache import EvictingCache, set_model_check
+from .models import _refuse_cache_misuse, cache_argument_name, check_model, install_guards, refuse_used_cache
+
+set_model_check(check_model)  # the cache checks an unguarded model as the guarded paths do (it cannot import models)
 
 __all__ = ["generate", "decode_step", "replay", "replay_tokenwise", "Replay", "ReplayResult"]
 
