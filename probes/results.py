@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -376,23 +377,20 @@ def planted_conditions(probe: str, kv_heads: int, box_width: int) -> "Optional[t
 
     session = SimpleNamespace(n_heads=kv_heads, config=SimpleNamespace(box_width=box_width))
     extra = None
+    # The probes sit above this module (they import it), so their condition lists are looked up by name at call time,
+    # never imported here: a registry's lookup, not an import cycle.
+    probe_module = lambda name: importlib.import_module(f"probes.{name}")  # noqa: E731
     try:
         if probe == "head_pooling":
-            from .head_pooling import pooling_conditions
-
-            names = [c.name for c in pooling_conditions(kv_heads, box_width)]
+            names = [c.name for c in probe_module("head_pooling").pooling_conditions(kv_heads, box_width)]
             if kv_heads > 8:  # the best-k chain, planned from the single heads' rows: k = 3 .. H-1 heads
                 extra = _best_k(kv_heads)
         elif probe in ("scatter", "two_facts", "blocks", "shared_draw"):
-            import importlib
-
-            names = [c.name for c in importlib.import_module(f"probes.{probe}").conditions(session)]
+            names = [c.name for c in probe_module(probe).conditions(session)]
         elif probe == "passcode":
             names = ["policy", "kept", "full"]  # probes.passcode.plan: the policy's, and Random's two references
         elif probe == "leaderboard_planted":
-            from .leaderboard import planted_conditions as board
-
-            names = list(board(SimpleNamespace(recall=True)))
+            names = list(probe_module("leaderboard").planted_conditions(SimpleNamespace(recall=True)))
         else:
             return None
     except (ValueError, ImportError):  # the probe refuses such a model (scatter under 3 KV heads, two facts under 2)
