@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import randattn
+import randattn.power
 from randattn.testing import tiny_model
 
 from conftest import random_ids
@@ -243,6 +244,10 @@ CLI_ROWS = [
      "raised ImportError: broken selector module"),
     ("leaderboard-random-as-selector", "probes.leaderboard", LEADERBOARD + ["--selector", "random"],
      "--selector: random is the reference every selector is measured against"),
+    ("leaderboard-target-mde-zero", "probes.leaderboard", LEADERBOARD + ["--target-mde", "0"],
+     "--target-mde: must be strictly between 0 and 1"),
+    ("leaderboard-target-mde-above-one", "probes.leaderboard", LEADERBOARD + ["--target-mde", "1.5"],
+     "--target-mde: must be strictly between 0 and 1"),
     ("leaderboard-no-selector", "probes.leaderboard", LEADERBOARD + ["--policies"],
      "argument --policies: expected at least one argument"),
     ("leaderboard-budget-below-copy-prompt", "probes.leaderboard", LEADERBOARD + ["--budget", "200", "--tasks", "copy"],
@@ -567,6 +572,10 @@ def raises_in_score(view):
 
 
 API_ROWS = [
+    ("power-target-mde-zero", lambda: randattn.power.units_for_mde(0.0),
+     "--target-mde must be strictly between 0 and 1"),
+    ("power-adjust-unknown", lambda: randattn.power.adjust([0.1], "bonferonni"),
+     "adjustment must be one of holm, bh, none"),
     ("budget-0", lambda: randattn.EvictingCache("random", budget=0), "budget must be a positive integer"),
     ("budget-bool", lambda: randattn.EvictingCache("random", budget=True), "budget must be a positive integer"),
     ("budget-str", lambda: randattn.EvictingCache("random", budget="8"), "budget must be a positive integer"),
