@@ -223,10 +223,13 @@ class Config(BenchBase):
 
     def check(self) -> None:
         self.check_eviction()
+        if "hf random" not in self.arms:  # the HF arm does not run: its batch sizes are not used (issue 39)
+            return
         bad = [b for b in self.hf_batches if not 1 <= b <= self.requests]
         if bad:
             raise ConfigError("hf_batches", f"{list(self.hf_batches)}: each must be between 1 and --requests "
-                                            f"({self.requests})")
+                                            f"({self.requests}) for the 'hf random' arm; give --hf-batches within "
+                                            "it, or --arms without 'hf random'")
 
 
 def parse_args(argv) -> Config:

@@ -101,7 +101,7 @@ def run_vllm(case: dict) -> dict:
         for step in comp.logprobs:
             ranked = sorted(step.items(), key=lambda kv: kv[1].rank)
             top.append([[int(t), float(l.logprob)] for t, l in ranked[:2]])
-        log = KeepLog.load(os.path.join(log_dir, f"{k}.npz"))
+        log = KeepLog.load(os.path.join(log_dir, randattn.vllm.log_file_name(k)))
         reqs.append({"key": k, "tokens": list(comp.token_ids), "top2": top, "keep": _log_dict(log)})
     return {"block_size": llm.llm_engine.vllm_config.cache_config.block_size,
             "preemptions": sched.counters["preemptions"], "tokens_computed": sched.counters["tokens_computed"],

@@ -64,6 +64,22 @@ def test_both_engines_mask_eos_the_same_way():
     assert v["temperature"] == 0.0 and v["ignore_eos"] and h["do_sample"] is False
 
 
+def test_hf_batches_are_checked_only_when_the_hf_arm_runs(tmp_path, capsys):
+    """Regression (issue 39): ``--arms "vllm full" "vllm random" --requests 8`` was refused because the HF arm's default
+    batches (1 4 16) exceed 8, though that arm was excluded."""
+    from bench.vllm import parse_args
+
+    (tmp_path / "config.json").write_text("{}")
+    model = ["--model", str(tmp_path)]
+    args = parse_args(["--arms", "vllm full", "vllm random", "--requests", "8", *model])
+    assert args.arms == ("vllm full", "vllm random") and args.requests == 8
+    assert parse_args(["--requests", "8", "--hf-batches", "1", "4", "8", *model]).hf_batches == (1, 4, 8)
+    with pytest.raises(SystemExit):  # the HF arm runs (the default arms): its batches must fit --requests
+        parse_args(["--requests", "8", *model])
+    err = capsys.readouterr().err
+    assert "--hf-batches" in err and "[1, 4, 16]" in err and "--arms without 'hf random'" in err
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not VENV_PYTHON.exists(), reason=f"no vLLM environment at {VENV_PYTHON}")
 def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):

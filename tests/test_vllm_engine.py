@@ -229,12 +229,13 @@ def embedded():
     return str(folder), prompts
 
 
-def _drive(tmp_path, case: dict) -> dict:
+def _drive(tmp_path, case: dict, timeout: int = 1800) -> dict:
     case_path, out_path = tmp_path / "case.json", tmp_path / "out.json"
     case_path.write_text(json.dumps(case))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # one thread, not bound to a core (as tests/test_vllm_memory.py does: the machine may be shared)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([str(VENV_PY), str(DRIVER), str(case_path), str(out_path)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out_path.read_text())
 
@@ -257,7 +258,45 @@ def _assert_conforms(out, max_tokens):
               f"max |dlogprob| {diff:.2e}; {out['new_tokens'] / out['wall_s']:.1f} tok/s (indicative)")
 
 
+# The default tier: the served policies in ONE driver process (one engine after the other, the HF model loaded once),
+# shorter than the long versions below: T=72, r=16 over 80 new tokens, two prompts in one batch (50 and 46 tokens:
+# rounds at lengths 88, 104 and 120, 3 per layer; random-pcap, unprotected at T=32, 5, the first at the 50-token
+# prefill), then the refusal checks. Random itself is the batch test's policy (and tests/test_vllm_keys.py's); the long
+# versions (recency and random over 2,048 tokens, these policies at 160, the batch at 256) are `vllm_long`.
+SHORT_NEW = 80
+SHORT_ENGINES = [
+    {"policy": "snapkv", "budget": 72, "buffer": 16},
+    {"policy": "rkv", "budget": 72, "buffer": 16},
+    {"policy": "streamingllm", "budget": 72, "buffer": 16, "options": {"n_sink": 4}},
+    {"policy": "random-shared", "budget": 72, "buffer": 16},
+    {"policy": "random-pcap", "budget": 32, "buffer": 16, "options": {"cap": 8}},  # unprotected: a round at prefill
+    {"policy": "random-pmix", "budget": 72, "buffer": 16, "options": {"small": 16}},
+    {"policy": "random_ppp", "budget": 72, "buffer": 16, "options": {"plan_prefix": 16, "min_scatter": 8}},
+]
+
+
+def _refusal_case(embedded):
+    _, prompts = embedded
+    return _case(embedded, {"policy": "random", "budget": 64, "buffer": 16}, prompts[-1:], 24, mode="refusals",
+                 long_prompt_ids=prompts[0])
+
+
+@pytest.fixture(scope="module")
+def short_runs(embedded, tmp_path_factory):
+    cases = [_case(embedded, e, embedded[1][:2], SHORT_NEW) for e in SHORT_ENGINES] + [_refusal_case(embedded)]
+    out = _drive(tmp_path_factory.mktemp("conformance"), {"cases": cases}, timeout=3600)
+    return dict(zip([e["policy"] for e in SHORT_ENGINES] + ["refusals"], out["cases"]))
+
+
 @pytest.mark.vllm
+@pytest.mark.parametrize("policy", [e["policy"] for e in SHORT_ENGINES])
+def test_every_policy_equals_hf(short_runs, policy):
+    """Tokens, every keep record and the log-probs of each served policy equal the HF engine's (both prompts)."""
+    _assert_conforms(short_runs[policy], SHORT_NEW)
+
+
+@pytest.mark.vllm
+@pytest.mark.vllm_long
 @pytest.mark.parametrize("policy", ["recency", "random"])
 def test_greedy_2048_tokens_equal_hf(tmp_path, embedded, policy):
     """A deterministic policy (recency; random with a fixed request key) over 2,048 new tokens, T=96, r=16 (120
@@ -268,6 +307,7 @@ def test_greedy_2048_tokens_equal_hf(tmp_path, embedded, policy):
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_long
 @pytest.mark.parametrize("engine", [
     {"policy": "snapkv", "budget": 96, "buffer": 16},
     {"policy": "rkv", "budget": 96, "buffer": 16},
@@ -282,14 +322,9 @@ def test_policies_equal_hf(tmp_path, embedded, engine):
     _assert_conforms(out, 160)
 
 
-@pytest.mark.vllm
-def test_batch_of_different_prompts_is_each_request_alone(tmp_path, embedded):
-    """Four prompts of different lengths in one batch: each equals HF alone and vLLM alone (tokens and keep-sets);
-    the engine core runs in its own process, the plugin loaded there by the entry point."""
-    engine = {"policy": "random", "budget": 96, "buffer": 16, "seed": 1}
-    out = _drive(tmp_path, _case(embedded, engine, embedded[1], 256, alone=True, in_process=False))
+def _check_batch(out, embedded, new_tokens):
     assert len({len(p) for p in embedded[1]}) >= 3
-    _assert_conforms(out, 256)
+    _assert_conforms(out, new_tokens)
     for row in out["requests"]:
         assert row["alone_tokens"] == row["vllm_tokens"], row["key"]
         keep = row["alone_keep"]
@@ -297,13 +332,30 @@ def test_batch_of_different_prompts_is_each_request_alone(tmp_path, embedded):
 
 
 @pytest.mark.vllm
-def test_refusals(tmp_path, embedded):
+@pytest.mark.vllm_long
+def test_batch_of_different_prompts_is_each_request_alone(tmp_path, embedded):
+    """Four prompts of different lengths in one batch: each equals HF alone and vLLM alone (tokens and keep-sets);
+    the engine core runs in its own process, the plugin loaded there by the entry point."""
+    engine = {"policy": "random", "budget": 96, "buffer": 16, "seed": 1}
+    out = _drive(tmp_path, _case(embedded, engine, embedded[1], 256, alone=True, in_process=False))
+    _check_batch(out, embedded, 256)
+
+
+@pytest.mark.vllm
+def test_a_batch_is_each_request_alone(tmp_path, embedded):
+    """The default tier's version of the test above, over 96 new tokens (T=72, r=16: 2-4 rounds per layer, from
+    length 88): four prompts of different lengths in one batch, in an engine core of its own
+    process (the plugin loaded there by the entry point), each equal to HF alone and to vLLM alone."""
+    engine = {"policy": "random", "budget": 72, "buffer": 16, "seed": 1}
+    out = _drive(tmp_path, _case(embedded, engine, embedded[1], 96, alone=True, in_process=False))
+    _check_batch(out, embedded, 96)
+
+
+@pytest.mark.vllm
+def test_refusals(short_runs):
     """h2o and triattention are refused by name when the engine is made; a prompt that does not fit T under
     protection gets its own error and the request added before it finishes."""
-    folder, prompts = embedded
-    case = _case(embedded, {"policy": "random", "budget": 64, "buffer": 16}, prompts[-1:], 24, mode="refusals",
-                 long_prompt_ids=prompts[0])
-    out = _drive(tmp_path, case)
+    out = short_runs["refusals"]
     assert out["h2o"] and "'h2o'" in out["h2o"] and "attention" in out["h2o"]
     assert out["triattention"] and "'triattention'" in out["triattention"]
     assert out["too_long"] and "budget >= " in out["too_long"] and "protect_prompt=False" in out["too_long"]

@@ -74,6 +74,7 @@ def test_the_same_pool_runs_more_requests_at_once(runs):
 
 
 def test_preempted_requests_generate_what_they_would_unpreempted(runs):
+    """With a key (even requests) and without one (odd: keyed by their prompt ids, randattn.vllm.default_key)."""
     small, large = runs["evict_small"], runs["evict_large"]
     assert small["counters"]["preemptions"] > 0, small["counters"]  # the small pool forced recomputation
     assert large["counters"]["preemptions"] == 0, large["counters"]

@@ -4,7 +4,8 @@ Loaded by vLLM through the ``vllm.general_plugins`` entry point (:func:`register
 engine core, worker); it does nothing unless the user's ``additional_config`` has a ``"randattn"`` section
 (:mod:`randattn.vllm.config`). Importable without vLLM: vLLM is imported inside the functions that need it.
 
-Pieces: :mod:`~randattn.vllm.config` (the user config and the round arithmetic), :mod:`~randattn.vllm.state`
+Pieces: :mod:`~randattn.vllm.config` (the user config and the round arithmetic), :mod:`~randattn.vllm.keys`
+(request keys and keep-log names), :mod:`~randattn.vllm.state`
 (per-request state, the step plan, the rounds), :mod:`~randattn.vllm.backend` (the CPU attention backend that runs
 them), :mod:`~randattn.vllm.runner` (the hooks), :mod:`~randattn.vllm.kv_cache` and :mod:`~randattn.vllm.scheduler`
 (block caps and round-boundary chunking), :mod:`~randattn.vllm.checks` (refused engine settings).
@@ -15,7 +16,9 @@ keep-log, computed by the same code (each request owns a one-row ``EvictingCache
 selection). Deliberate differences:
 
 - draws are always per request: seeded by (seed, request key, layer, round), as an HF cache built with
-  ``row_keys=[key]``; the key is ``SamplingParams(extra_args={"randattn_key": ...})``, else vLLM's request id;
+  ``row_keys=[key]``; the key is ``SamplingParams(extra_args={"randattn_key": ...})``, else
+  :func:`default_key` of the prompt token ids and ``SamplingParams.seed`` (never vLLM's request id, which is
+  random; :mod:`~randattn.vllm.keys`);
 - a query-window selector (``snapkv``, ``rkv``, ...) reads the post-RoPE queries vLLM's own attention layer
   computed, buffered per request and layer, where the HF engine recomputes them with the layer's projection: equal
   up to kernel rounding;
@@ -28,7 +31,9 @@ selection). Deliberate differences:
 
 from __future__ import annotations
 
-__all__ = ["register"]
+from .keys import default_key, log_file_name
+
+__all__ = ["register", "default_key", "log_file_name"]
 
 
 def register() -> None:

@@ -11,8 +11,9 @@ Keys (the :class:`randattn.EvictionSpec` fields, checked by it with the HF engin
 ``policy`` (a registered name or paper mode alias; default ``"random"``), ``budget`` (T, required), ``buffer``
 (r, default 64), ``recent`` (default r), ``protect_prompt`` (default: the policy's own mode, else True), ``seed``
 (default 0), ``options`` (the policy's constructor options). Plugin-only keys: ``keep_log_dir`` (a folder: each
-finished request's keep-log is written there as ``<request key>.npz``, :class:`randattn.KeepLog` format; for
-conformance checks). Any other key is refused by name.
+finished request's keep-log is written there as ``<request key>.npz``, a second request of the same key in one
+engine as ``<request key>+1.npz`` and so on (:func:`randattn.vllm.keys.log_file_name`), :class:`randattn.KeepLog`
+format; for conformance checks). Any other key is refused by name.
 
 :func:`read_config` turns ``VllmConfig.additional_config`` (a dict, or vLLM's own wrapper of one) into an
 :class:`EngineConfig`, or ``None`` when there is no ``"randattn"`` key (the plugin then changes nothing).

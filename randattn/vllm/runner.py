@@ -9,14 +9,18 @@
   unplanned, i.e. as plain vLLM.
 - ``Attention.get_kv_cache_spec``: every attention layer reports the evicting KV-cache spec
   (:func:`randattn.vllm.kv_cache.evicting_spec`), so the KV manager caps a request's blocks.
-- ``GPUModelRunner._update_states``: the finished requests' state is freed (keep-logs written).
+- ``GPUModelRunner._update_states``: the finished requests' state is freed (keep-logs written). Each request's key
+  and keep-log name are fixed when the runner first schedules it (:class:`randattn.vllm.keys.RequestNames`, one per
+  runner): ``randattn_key``, else :func:`randattn.vllm.keys.default_key` of its prompt ids and sampling seed.
 - ``InputProcessor.__init__`` (front end, before the engine core starts): the config is read and checked
   (:func:`randattn.vllm.checks.configure`: the vLLM version, the engine settings, the plugin's scheduler) and the
   policy refused when vLLM cannot give it what it needs; ``InputProcessor._validate_prompt_len``: a prompt that does
   not fit ``T`` under protection is refused for that request alone with ``VLLMValidationError`` (vLLM's error for an
   invalid request, a 400 from the server), naming ``budget`` and ``protect_prompt``: an ``LLMEngine.add_request`` or
   a server request gets its own error while the requests already added go on; ``LLM.generate`` over a list raises
-  at the first such prompt, as it does for any invalid prompt.
+  at the first such prompt, as it does for any invalid prompt. ``InputProcessor.process_inputs``: a request whose
+  key is not a key (``randattn_key`` neither a string nor an int in ``[0, 2**64)``), or which has none to default to
+  (prompt embeddings, multimodal inputs, without ``randattn_key``), is refused the same way, naming the fix.
 
 Every hook is a no-op without a ``"randattn"`` section in ``additional_config``. The patches are version-pinned
 (:data:`randattn.vllm.checks.SUPPORTED_VLLM`): they wrap private methods, which another vLLM may change.
@@ -31,6 +35,7 @@ from typing import Optional
 
 from . import state
 from .config import SECTION, read_config
+from .keys import RequestNames, request_key
 
 __all__ = ["install", "engine_config"]
 
@@ -98,6 +103,7 @@ def _hook_runner() -> None:
     def _update_states(self, scheduler_output):
         if engine_config(self.vllm_config) is not None:
             state.finish(scheduler_output.finished_req_ids)
+            _names(self).forget(scheduler_output.finished_req_ids)
         return update(self, scheduler_output)
 
     GPUModelRunner._build_attention_metadata = _build_attention_metadata
@@ -121,14 +127,36 @@ def _check_backends(runner) -> None:
                            "attention_backend= or any other backend override")
 
 
+def _other_inputs(req) -> Optional[str]:
+    """What a request's prompt holds besides token ids (a vLLM ``CachedRequestState`` or ``EngineCoreRequest``)."""
+    if getattr(req, "prompt_embeds", None) is not None:
+        return "prompt embeddings"
+    if getattr(req, "mm_features", None):
+        return "multimodal inputs"
+    return None
+
+
+def _names(runner) -> RequestNames:
+    """The runner's (one engine's) request keys and keep-log names (randattn.vllm.keys)."""
+    names = runner.__dict__.get("_randattn_names")
+    if names is None:
+        names = runner._randattn_names = RequestNames()
+    return names
+
+
 def _plan(runner, cfg, num_reqs: int, scheduled: dict, slot_mappings: dict):
     batch = runner.input_batch
     req_ids = list(batch.req_ids[:num_reqs])
-    keys, prompt_lens, max_lens = [], [], []
+    names = _names(runner)
+    keys, log_names, prompt_lens, max_lens = [], [], [], []
     for rid in req_ids:
         req = runner.requests[rid]
-        extra = getattr(req.sampling_params, "extra_args", None) or {}
-        keys.append(extra.get(state.KEY_ARG, rid))
+        sp = req.sampling_params
+        key, log_name = names.get(rid, getattr(sp, "extra_args", None), req.prompt_token_ids,
+                                  getattr(sp, "seed", None), other_inputs=_other_inputs(req),
+                                  log=cfg.keep_log_dir is not None)
+        keys.append(key)
+        log_names.append(log_name)
         prompt_lens.append(req.num_prompt_tokens)
         max_tokens = getattr(req.sampling_params, "max_tokens", None)
         max_lens.append(None if max_tokens is None else req.num_prompt_tokens + max_tokens)
@@ -140,7 +168,7 @@ def _plan(runner, cfg, num_reqs: int, scheduled: dict, slot_mappings: dict):
         else runner.query_start_loc.cpu[:num_reqs].numpy(),
         block_rows=table.get_numpy_array()[:num_reqs], block_size=table.block_size,
         num_layers=runner.model_config.get_num_layers(runner.parallel_config),
-        seq_lens=runner.seq_lens, slot_mapping=slot_mappings[0])
+        seq_lens=runner.seq_lens, slot_mapping=slot_mappings[0], log_names=log_names)
 
 
 def _hook_spec() -> None:
@@ -190,8 +218,23 @@ def _hook_front_end() -> None:
                 raise VLLMValidationError(f"randattn.vllm: this request's prompt does not fit: {problem} "
                                           "(additional_config['randattn'])", parameter="prompt", value=int(prompt_len))
 
+    process = InputProcessor.process_inputs
+
+    def process_inputs(self, *args, **kwargs):
+        request = process(self, *args, **kwargs)
+        sp = getattr(request, "sampling_params", None)
+        if sp is not None and engine_config(self.vllm_config) is not None:
+            try:  # a key the worker could not use would stop the engine core: refused here, for this request alone
+                request_key(sp.extra_args, request.prompt_token_ids, sp.seed, other_inputs=_other_inputs(request))
+            except ValueError as exc:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(str(exc), parameter=state.KEY_ARG) from None
+        return request
+
     InputProcessor.__init__ = __init__
     InputProcessor._validate_prompt_len = _validate_prompt_len
+    InputProcessor.process_inputs = process_inputs
 
 
 def install() -> None:

@@ -20,7 +20,6 @@ crosses a round is refused with ``RuntimeError`` (decode one token at a time wou
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,12 +27,10 @@ import numpy as np
 import torch
 
 from .config import EngineConfig, held_pairs, max_held_pairs, next_round_length
+from .keys import KEY_ARG, log_file_name
 
 __all__ = ["RequestState", "StepPlan", "plan_step", "after_attention", "finish", "current", "set_current",
            "requests", "policy_problem", "KEY_ARG"]
-
-#: ``SamplingParams(extra_args={KEY_ARG: ...})``: the request key the draws are seeded by (else the request id).
-KEY_ARG = "randattn_key"
 
 _REQUESTS: dict[str, "RequestState"] = {}
 _CURRENT: Optional["StepPlan"] = None
@@ -83,19 +80,22 @@ class RequestState:
     max_len: Optional[int] = None  # prompt + max_tokens, when known: the keep-log is written after its last forward
     layers: dict = field(default_factory=dict)
     logged: int = 0  # keep-log records already written
+    log_name: Optional[str] = None  # the keep-log's file in keep_log_dir (randattn.vllm.keys.log_file_name)
 
     @classmethod
-    def new(cls, req_id: str, key, prompt_len: int, cfg: EngineConfig, max_len: Optional[int] = None):
+    def new(cls, req_id: str, key, prompt_len: int, cfg: EngineConfig, max_len: Optional[int] = None,
+            log_name: Optional[str] = None):
         cache = cfg.spec.make_cache(keep_log=cfg.keep_log_dir is not None, row_keys=[key], prompt_len=prompt_len)
-        return cls(req_id=req_id, key=key, prompt_len=int(prompt_len), cfg=cfg, cache=cache, max_len=max_len)
+        return cls(req_id=req_id, key=key, prompt_len=int(prompt_len), cfg=cfg, cache=cache, max_len=max_len,
+                   log_name=log_name or log_file_name(key))
 
     def save_keep_log(self) -> None:
-        """Write the keep-log to ``keep_log_dir/<key>.npz`` (when set and changed since the last write)."""
+        """Write the keep-log to ``keep_log_dir/<log_name>`` (when set and changed since the last write)."""
         log, log_dir = self.cache.keep_log, self.cfg.keep_log_dir
         if log_dir is None or log is None or (self.logged == len(log) and self.logged):
             return
         os.makedirs(log_dir, exist_ok=True)
-        log.save(os.path.join(log_dir, _file_name(self.key) + ".npz"))
+        log.save(os.path.join(log_dir, self.log_name))
         self.logged = len(log)
 
     def layer(self, idx: int, heads: int, device) -> _Layer:
@@ -162,15 +162,20 @@ def set_current(plan: Optional[StepPlan]) -> None:
 
 def plan_step(cfg: EngineConfig, *, req_ids: list, computed: np.ndarray, scheduled: list, prompt_lens: list,
               keys: list, max_lens: list, query_start: np.ndarray, block_rows: np.ndarray, block_size: int,
-              num_layers: int, seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> StepPlan:
-    """Plan one step and rewrite vLLM's ``seq_lens[:n]`` and ``slot_mapping`` in place to held slots."""
+              num_layers: int, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+              log_names: Optional[list] = None) -> StepPlan:
+    """Plan one step and rewrite vLLM's ``seq_lens[:n]`` and ``slot_mapping`` in place to held slots.
+
+    ``keys[i]``: request ``i``'s key (:func:`randattn.vllm.keys.request_key`); ``log_names[i]``: its keep-log file
+    name (default :func:`randattn.vllm.keys.log_file_name` of the key)."""
     rows = []
     slots = []
     for i, rid in enumerate(req_ids):
         c, q, p = int(computed[i]), int(scheduled[i]), int(prompt_lens[i])
         st = _REQUESTS.get(rid)
         if c == 0:  # a new request, or one preempted and recomputed from its first token
-            st = _REQUESTS[rid] = RequestState.new(rid, keys[i], p, cfg, max_lens[i])
+            st = _REQUESTS[rid] = RequestState.new(rid, keys[i], p, cfg, max_lens[i],
+                                                   None if log_names is None else log_names[i])
         elif st is None or c != st.computed:
             raise RuntimeError(
                 f"randattn.vllm: request {rid!r} resumes at token {c} but its eviction state is at "
@@ -251,10 +256,6 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     if cache.keep_log is not None:
         cache.keep_log.record(layer_idx, lay.rounds, seq_len, new_positions[None])
     lay.rounds += 1
-
-
-def _file_name(key) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))[:200] or "request"
 
 
 def finish(req_ids) -> None:
