@@ -38,6 +38,7 @@ from .planted_run import (PlantedConfig, Session, condition_units, describe, run
                           KEY, session_rows, setup, write_csv)
 from .results import ResultsFile
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from randattn.seeding import batch_seed
 
 
 def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
@@ -135,7 +136,7 @@ def nll_arms(config: Config) -> dict:
     arms = {"full": full_attention(config.length)}
     for b in config.blocks:
         arms[f"block{b}"] = (lambda b: lambda bi: config.spec("random-block", options={"block": b},
-                                                              seed=config.seed * 1_000_003 + bi))(b)
+                                                              seed=batch_seed(config.seed, bi)))(b)
     return arms
 
 

@@ -20,6 +20,7 @@ from randattn.stats import mean_ci
 from . import survival
 from .leaderboard import REFERENCE
 from .results import DEFAULT_TRACES
+from randattn.seeding import batch_seed
 
 
 def described(test: str, metric: str, unit: str, policy: str, value: float, random_value: float, **extra) -> dict:
@@ -56,7 +57,7 @@ def keeplog_part(config, model, tok, policies: list[str], sizes: dict) -> tuple[
         ids = torch.tensor([c.ids for c in group], device=model.device)
         final = {}
         for pol in [*policies, other_seed]:
-            seed = a.seed * 1_000_003 + group[0].index + (7919 if pol == other_seed else 0)
+            seed = batch_seed(a.seed, group[0].index + (7919 if pol == other_seed else 0))
             cache = a.spec(REFERENCE if pol == other_seed else pol, seed=seed).make_cache(keep_log=True)
             randattn.replay(model, ids, cache, prompt_len=prompt_len, score_from=ids.shape[1])
             final[pol] = [cache.positions(layer) for layer in range(len(cache.layers))]

@@ -64,6 +64,7 @@ from .policy_specs import calibration_options
 from .results import DEFAULT_TRACES, run_record, trace_label
 from .tasks import TASKS as ACCURACY_TASKS
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from randattn.seeding import batch_seed
 
 #: the reference every selector is measured against (score-free Random, the prompt protected like everyone's).
 REFERENCE = "random"
@@ -280,7 +281,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
                     idx = list(range(b, min(n, b + config.batch)))
                     w = {"task": task, "traces": str(_traces(config)), "body": config.body, "seed": config.seed,
                          "idx": idx, "policy": p, "protect": config.protect_prompt, "budget": config.budget,
-                         "buffer": config.buffer, "batch_seed": config.seed * 1_000_003 + idx[0],
+                         "buffer": config.buffer, "batch_seed": batch_seed(config.seed, idx[0]),
                          "options": options.get(p, {})}
                     work.append(make_unit("leaderboard", model.name, o, {"policy": p}, [{"instance": i} for i in idx],
                                           w, label=f"question: {p} {idx[0]}-{idx[-1]}"))

@@ -34,6 +34,7 @@ import torch
 import randattn
 
 from .config import ConfigError
+from randattn.seeding import batch_seed
 
 __all__ = ["Fact", "Instance", "InstanceBuilder", "Condition", "run_batch", "audit_keep_log", "fact_metrics"]
 
@@ -174,7 +175,7 @@ class InstanceBuilder:
         return self.first_box + self.distance
 
     def build(self, index: int) -> Instance:
-        rng = random.Random(self.seed * 1_000_003 + index)
+        rng = random.Random(batch_seed(self.seed, index))
         need = self.length  # an upper bound on filler tokens
         for _ in range(100):
             start = int(rng.choice(self.trace_starts[self.trace_starts < max(1, len(self.stream) - need)]))

@@ -29,6 +29,7 @@ from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, RunConfi
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 from .units import Kind, Output, Plan, Unit, load, make_unit, run_local
+from randattn.seeding import batch_seed
 
 PAPER = {"budget": 1024, "buffer": 64, "distance": 1536}
 #: The key of a planted-fact row: which instance, under which condition, which of its facts.
@@ -88,7 +89,7 @@ class Session:
         if self.no_eviction:
             return randattn.EvictionSpec.full().make_cache(max_tokens=self.builder.length, keep_log=keep_log)
         # Every batch draws its own evictions; rows of one batch differ through their row index.
-        return dataclasses.replace(self.spec, seed=self.config.seed * 1_000_003 + batch_index).make_cache(
+        return dataclasses.replace(self.spec, seed=batch_seed(self.config.seed, batch_index)).make_cache(
             keep_log=keep_log)
 
 
@@ -178,7 +179,7 @@ def condition_units(s: Session, conditions: Sequence[Condition]) -> list[Unit]:
     for bi in range(math.ceil(a.instances / a.batch)):
         idx = list(range(bi * a.batch, min(a.instances, (bi + 1) * a.batch)))
         work = {"instances": [s.builder.build(i) for i in idx], "conditions": list(conditions), "audit": bi == 0,
-                "spec": None if s.no_eviction else s.spec, "seed": a.seed * 1_000_003 + bi,
+                "spec": None if s.no_eviction else s.spec, "seed": batch_seed(a.seed, bi),
                 "length": s.builder.length, "n_facts": s.builder.n_facts}
         out.append(make_unit("planted", s.results.config["model"], output, {}, [{"instance": i} for i in idx], work,
                              parts=[{"condition": n} for n in names], fanout={"fact": list(range(s.builder.n_facts))},

@@ -36,6 +36,7 @@ from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
 from .planted_run import load, write_csv
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from randattn.seeding import batch_seed
 
 RESTATE = "\n\nLet me restate the question: "
 
@@ -179,7 +180,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     todo = []
     for policy, protect in arms:
         for idx in batches:
-            seed = config.seed * 1_000_003 + idx[0]
+            seed = batch_seed(config.seed, idx[0])
             work = {"built": [tasks.build(k) for k in idx], "idx": idx, "policy": policy, "protect": protect,
                     "budget": config.budget, "buffer": config.buffer, "seed": seed, "prompt_len": tasks.prompt_len,
                     "digit": tasks.digit}

@@ -36,6 +36,7 @@ from .planted_run import (KEY, PlantedConfig, Session, condition_units, describe
                           session_rows, setup, write_csv)
 from .results import ResultsFile, out_folder
 from .units import Kind, ModelInfo, Plan
+from randattn.seeding import batch_seed
 
 POLICIES = ("random", "random-shared")
 
@@ -80,7 +81,7 @@ def conditions(s: Session) -> list[Condition]:
 def nll_arms(config: Config) -> dict:
     arms = {"full": full_attention(config.length)}
     for policy in POLICIES:
-        arms[policy] = (lambda pol: lambda bi: config.spec(pol, seed=config.seed * 1_000_003 + bi))(policy)
+        arms[policy] = (lambda pol: lambda bi: config.spec(pol, seed=batch_seed(config.seed, bi)))(policy)
     return arms
 
 

@@ -42,6 +42,7 @@ from .planted_run import load
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from randattn.seeding import batch_seed
 
 PAPER = {"budget": 1024, "buffer": 64}
 MODES = {"protected": True, "score-only": False}  # mode -> protect_prompt
@@ -307,7 +308,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
         for mode in modes_of(pol, config.modes):
             for bi, batch in enumerate(groups):
                 work = {"chats": batch, "policy": pol, "mode": mode, "config": config,
-                        "seed": config.seed * 1_000_003 + bi}
+                        "seed": batch_seed(config.seed, bi)}
                 todo.append(make_unit("survival", model.name, output, {"policy": pol, "mode": mode},
                                       [{"sequence": c.index} for c in batch], work, salt=work["seed"],
                                       label=f"{pol}/{mode} batch {bi}"))

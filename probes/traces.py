@@ -27,6 +27,7 @@ from randattn.traces import load_traces  # noqa: F401  (re-exported for the prob
 from . import cli
 from .config import POSITIVE, ConfigError, RunConfig, option
 from .planted_run import load
+from randattn.seeding import batch_seed
 
 NAMES = ["Ava", "Ben", "Chloe", "Diego", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena", "Mateo",
          "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yusuf", "Zara"]
@@ -165,7 +166,7 @@ def run(config: Config) -> int:
         tok.pad_token = tok.eos_token
     bar = tqdm(total=args.tokens, initial=min(tokens, args.tokens), unit="tok", desc=f"traces -> {out}")
     while tokens < args.tokens:
-        batch_seed = args.seed * 1_000_003 + rows  # resumable: problem i depends only on (seed, i)
+        batch_seed = batch_seed(args.seed, rows)  # resumable: problem i depends only on (seed, i)
         problems = [make_problem(random.Random(batch_seed + i)) for i in range(args.batch)]
         prompts = [tok.apply_chat_template([{"role": "user", "content": pr["question"]}], add_generation_prompt=True,
                                            tokenize=False) for pr in problems]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seed", "row_round_seed", "check_row_key"]
+__all__ = ["round_seed", "row_round_seed", "check_row_key", "batch_seed"]
 
 import hashlib
 
@@ -61,3 +61,14 @@ def row_round_seed(seed: int, row_key: int, layer_idx: int, round_idx: int) -> i
     key = check_row_key(row_key)
     x = _splitmix64(_splitmix64(_check_seed(seed) ^ 0x5EED_0F_80E5) ^ key)
     return round_seed(x, layer_idx, round_idx)
+
+
+#: The stride between the base seeds of consecutive batches (or items) of one run: a prime, so the per-(layer, round)
+#: streams of neighbouring batches, mixed by :func:`round_seed`, never share a base.
+BATCH_STRIDE = 1_000_003
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """The base seed of a run's batch (or item) ``index`` under the run seed ``seed``: every probe derives its
+    per-batch eviction and sampling seeds from it, so batch ``i`` draws the same wherever the run is resumed."""
+    return int(seed) * BATCH_STRIDE + int(index)
