@@ -94,10 +94,15 @@ def test_the_startup_check_is_sized_by_the_cap(runs):
     ("prefix_caching", "enable_prefix_caching=False"), ("eager", "enforce_eager=True"),
     ("speculative", "speculative_config"), ("scheduler", "drop scheduler_cls"),
     ("v2_runner", "VLLM_USE_V2_MODEL_RUNNER=0"), ("sliding_window", "sliding window (64 tokens)"),
-    ("cuda", "on CUDA: FlashAttention")])
+    ("tpu", "the platform is 'tpu'"), ("cuda_fp8", "kv_cache_dtype='auto'")])
 def test_each_refusal_names_the_option(runs, case, needle):
     got = runs["refusals"][case]
     assert len(got) == 1 and needle in got[0], got
+
+
+def test_cuda_is_accepted_for_the_flash_attention_path(runs):
+    # the CUDA path (randattn.vllm.flash_backend) is written; a good config is no longer refused on CUDA
+    assert runs["refusals"]["cuda"] == []
 
 
 def test_a_good_config_and_the_version(runs):

@@ -95,8 +95,12 @@ def refusals(model: str) -> dict:
         "speculative": problems(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 2}),
         "scheduler": problems(scheduler_cls="vllm.v1.core.sched.async_scheduler.AsyncScheduler"),
-        "cuda": problems(platform="cuda"),
+        "cuda": problems(platform="cuda"),  # the FlashAttention path: a good config passes
+        "tpu": problems(platform="tpu"),
     }
+    good = EngineArgs(**base).create_engine_config()
+    out["cuda_fp8"] = checks.engine_problems(
+        _Changed(good, cache_config=_Changed(good.cache_config, cache_dtype="fp8")), platform="cuda")
     # On CPU vLLM cannot select the V2 runner at all (it needs Triton, and says so); the check is for CUDA builds, so
     # it is tried on the good config with that one attribute changed.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"

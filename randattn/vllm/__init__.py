@@ -7,7 +7,7 @@ engine core, worker); it does nothing unless the user's ``additional_config`` ha
 Pieces: :mod:`~randattn.vllm.config` (the user config and the round arithmetic), :mod:`~randattn.vllm.keys`
 (request keys and keep-log names), :mod:`~randattn.vllm.state`
 (per-request state, the step plan, the rounds), :mod:`~randattn.vllm.backend` (the CPU attention backend that runs
-them), :mod:`~randattn.vllm.runner` (the hooks), :mod:`~randattn.vllm.kv_cache` and :mod:`~randattn.vllm.scheduler`
+them), :mod:`~randattn.vllm.flash_backend` (the same on CUDA's FlashAttention), :mod:`~randattn.vllm.runner` (the hooks), :mod:`~randattn.vllm.kv_cache` and :mod:`~randattn.vllm.scheduler`
 (block caps and round-boundary chunking), :mod:`~randattn.vllm.checks` (refused engine settings).
 
 What the vLLM engine is, against the HF :class:`randattn.EvictingCache` (which follows the paper's engine,
@@ -25,8 +25,8 @@ selection). Deliberate differences:
 - policies that need what vLLM cannot give are refused by name: accumulated attention (``h2o``), a keep-set scored
   across layers (``triattention``), per-model calibration statistics;
 - no keep-mask API (pins, forced evictions) and no padded batches: every request is its own row;
-- vLLM's CPU attention only (``CPU_ATTN``), one device, eager mode; the CUDA backends have another KV layout and no
-  eviction rounds yet, so a non-CPU platform is refused.
+- vLLM's CPU attention (``CPU_ATTN``) and, on CUDA, FlashAttention (``FLASH_ATTN``, :mod:`~randattn.vllm.flash_backend`:
+  written and layout-tested on CPU, not yet run on a GPU); one device, eager mode; other platforms are refused.
 """
 
 from __future__ import annotations

