@@ -11,8 +11,9 @@ the benchmark; the case file is built as ``bench.vllm`` builds it, or given with
 ``execute_model`` (all steps, the untimed warm-up included):
 
 - ``rounds``: the plugin's eviction rounds (``randattn/vllm/state.py:_round``); inside them ``read`` / ``write``
-  (``PagedKV``, the request's held slots out of / back into its blocks), ``select`` (the cache's
-  ``_select_view``: score, protect, select) and ``view``;
+  (``PagedKV``, the request's held slots out of / back into its blocks), ``select`` (the round engine's
+  ``RoundEngine.keep`` in ``randattn/rounds.py``: score, force-evict, select) and ``view`` (its ``RoundEngine.view``:
+  the candidates, the seeded generator, the pins);
 - ``bookkeeping``: the plugin's per-layer work outside rounds (the backend's ``forward`` less vLLM's attention and
   the rounds: positions, query buffering, PagedKV set-up) plus ``plan_step`` (once per step);
 - ``attention``: vLLM's CPU attention (``cpu_attn.py`` impl ``forward``) and its KV write (``do_kv_cache_update``);
@@ -91,8 +92,8 @@ def split(profile: str) -> dict:
         "round": _find(st, "randattn/vllm/state.py", "_round"),
         "read": _find(st, "randattn/vllm/backend.py", "read"),
         "write": _find(st, "randattn/vllm/backend.py", "write"),
-        "select": _find(st, "randattn/cache.py", "_select_view"),
-        "view": _find(st, "randattn/cache.py", "view"),
+        "select": _find(st, "randattn/rounds.py", "keep"),
+        "view": _find(st, "randattn/rounds.py", "view"),
         "after_attention": _find(st, "randattn/vllm/state.py", "after_attention"),
         "plan_step": _find(st, "randattn/vllm/state.py", "plan_step"),
         "attn_forward": _find(st, "vllm/v1/attention/backends/cpu_attn.py", "forward"),

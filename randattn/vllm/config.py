@@ -26,7 +26,8 @@ at the end of the prefill, and only when the prompt is unprotected and at least 
 per token; a round runs in the forward that brings the stored count to ``T + r`` and leaves ``T``. So the rounds
 run at the absolute lengths ``first, first + r, first + 2r, ...`` with ``first = max(prompt_len, T + r)``
 (:func:`round_lengths`), a layer holds :func:`held_pairs` after ``n`` tokens, and never more than
-:func:`max_held_pairs` (the slots a request needs: ``ceil(max_held_pairs / block_size)`` blocks).
+:func:`max_held_pairs` (the slots a request needs: ``ceil(max_held_pairs / block_size)`` blocks). These read the
+round engine's schedule (:mod:`randattn.rounds`, the HF cache's too) with the config's ``T`` and ``r``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from .. import rounds
 from ..spec import EvictionSpec
 
 __all__ = ["EngineConfig", "read_config", "parse_config", "max_held_pairs", "held_pairs", "round_lengths",
@@ -102,34 +104,28 @@ def read_config(additional_config: Any) -> Optional[EngineConfig]:
     return None if section is None else parse_config(section)
 
 
+# The schedule is the round engine's (randattn.rounds): these read it with the config's T and r.
 def _first_round(prompt_len: int, cfg: EngineConfig) -> int:
-    return max(int(prompt_len), cfg.budget + cfg.buffer)
+    return rounds.first_round(prompt_len, cfg.budget, cfg.buffer)
 
 
 def round_lengths(prompt_len: int, cfg: EngineConfig, upto: int) -> list[int]:
     """The absolute lengths ``<= upto`` at which a request's rounds run (every layer the same)."""
-    first = _first_round(prompt_len, cfg)
-    return list(range(first, int(upto) + 1, cfg.buffer))
+    return rounds.round_lengths(prompt_len, cfg.budget, cfg.buffer, upto)
 
 
 def next_round_length(prompt_len: int, computed: int, cfg: EngineConfig) -> int:
     """The smallest absolute length ``> computed`` at which a round runs: where a chunk that starts after
     ``computed`` tokens may end at the latest (a chunk may end at a round, never cross one)."""
-    first = _first_round(prompt_len, cfg)
-    if computed < first:
-        return first
-    return first + ((computed - first) // cfg.buffer + 1) * cfg.buffer
+    return rounds.next_round_length(prompt_len, computed, cfg.budget, cfg.buffer)
 
 
 def held_pairs(prompt_len: int, n_tokens: int, cfg: EngineConfig) -> int:
     """Pairs each KV head of a layer holds after ``n_tokens`` tokens (prompt included) were processed."""
-    first = _first_round(prompt_len, cfg)
-    if n_tokens < first:
-        return int(n_tokens)
-    return cfg.budget + (n_tokens - first) % cfg.buffer
+    return rounds.held_pairs(prompt_len, n_tokens, cfg.budget, cfg.buffer)
 
 
 def max_held_pairs(prompt_len: int, cfg: EngineConfig) -> int:
     """The most pairs a request's layer ever holds (inside the forward that runs a round): ``max(prompt_len,
     T + r)``. The slots to allocate: ``ceil(max_held_pairs(prompt_len, cfg) / block_size)`` blocks."""
-    return _first_round(prompt_len, cfg)
+    return rounds.max_held_pairs(prompt_len, cfg.budget, cfg.buffer)

@@ -3,9 +3,11 @@
 One :class:`RequestState` per running request: its prompt length, its row key, and per layer the absolute position
 of every stored slot of every KV head, its round count and (for policies that read queries) the last ``w``
 post-RoPE queries. The rounds themselves are the HF engine's: each request owns a one-row
-:class:`randattn.EvictingCache` (never fed any keys) whose own ``view`` and ``_select_view`` score the candidates,
-apply prompt protection and select the keep-set, and whose :class:`KeepLog` records it. So a policy written for
-randattn runs here unchanged, with the same seeds (row key = the request key) and the same refusals.
+:class:`randattn.EvictingCache` (never fed any keys) for its checked settings, policy and :class:`KeepLog`, and a
+round hands the request's held slots to that cache's round engine (:meth:`randattn.rounds.RoundEngine.select`,
+what the HF cache's own rounds call), which scores the candidates, applies prompt protection and selects the
+keep-set. So a policy written for randattn runs here unchanged, with the same seeds (row key = the request key) and
+the same refusals.
 
 :func:`plan_step` (called by the runner hook once per step, before vLLM builds the attention metadata) turns
 vLLM's absolute bookkeeping into held slots: request ``i`` with ``c`` tokens computed and ``q`` scheduled writes
@@ -26,6 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..rounds import Held
 from .config import EngineConfig, held_pairs, max_held_pairs, next_round_length
 from .keys import KEY_ARG, log_file_name
 
@@ -104,26 +107,6 @@ class RequestState:
             cap = max_held_pairs(self.prompt_len, self.cfg)
             st = self.layers[idx] = _Layer(positions=torch.full((heads, cap), -1, dtype=torch.long, device=device))
         return st
-
-
-@dataclass
-class _RoundLayer:
-    """One request's layer at a round, as the cache's own ``view`` / ``_select_view`` read it: the attributes of an
-    :class:`randattn.cache.EvictingLayer` they use, over the ``n`` slots the request's blocks hold (one row)."""
-
-    layer_idx: int
-    keys: torch.Tensor  # [1, H_kv, n, D]
-    values: torch.Tensor  # [1, H_kv, n, D]
-    positions: torch.Tensor  # [1, H_kv, n] absolute positions
-    rounds: int  # rounds applied to this layer so far
-    seq_len: int  # tokens seen, this step's included
-    physical_length: int  # n
-    recent_queries: Optional[torch.Tensor]  # [1, H_q, <=w, D]
-    recent_query_positions: Optional[torch.Tensor]  # [<=w]
-    scaling: float
-    held: None = None  # one unpadded row: no per-row pair counts
-    row_rounds: list = field(default_factory=list)
-    attention: None = None  # no accumulated attention (policies needing it are refused, policy_problem)
 
 
 @dataclass
@@ -241,12 +224,10 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     lay.positions[:, lay.filled : n] = torch.arange(seq_len - n + lay.filled, seq_len, device=lay.positions.device)
     keys, values = read(row.blocks, n)
     positions = lay.positions[:, :n]
-    layer = _RoundLayer(
-        layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], rounds=lay.rounds,
-        seq_len=seq_len, physical_length=n, recent_queries=lay.queries,
-        recent_query_positions=lay.query_positions, scaling=float(scale))
-    view = cache.view(layer, rows=[0])
-    kept = cache._select_view(layer, view, [0])[0]  # [H_kv, T], sorted slot indices
+    held = Held(layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], seq_len=seq_len,
+                round_idx=lay.rounds, prompt_len=st.prompt_len, row_key=cache.row_keys[0], queries=lay.queries,
+                query_positions=lay.query_positions, scaling=float(scale))
+    kept = cache.engine.select(held)[0]  # [H_kv, T], sorted slot indices
     idx = kept[..., None].expand(-1, -1, keys.shape[-1])
     write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
     new_positions = torch.gather(positions, 1, kept)
