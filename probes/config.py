@@ -67,10 +67,14 @@ SEED_LIMIT = 2**64  # seeds are mixed as 64 bits (randattn.seeding)
 
 
 def SEED(value) -> Optional[str]:
-    """The one seed check of the lab (the core's rule, :func:`randattn.seeding._check_seed`): an integer in
-    [0, 2**64). ``probes.common.seed_int`` (argparse) uses it too."""
-    if not _number(value) or isinstance(value, float) or not 0 <= value < SEED_LIMIT:
-        return f"must be an integer in [0, 2**64), got {value!r} (seeds are mixed as 64 bits); pass a seed in range"
+    """The one seed check of the lab: the core's, :func:`randattn.seeding._check_seed` (an integer in [0, 2**64)),
+    its words without the leading ``seed`` (the flag names it). ``probes.common.seed_int`` (argparse) uses it too."""
+    from randattn.seeding import _check_seed
+
+    try:
+        _check_seed(value)
+    except ValueError as exc:
+        return str(exc).removeprefix("seed ")
     return None
 
 
@@ -255,7 +259,8 @@ def parse_values(cls, parser: argparse.ArgumentParser, argv=None) -> dict:
     then the flags on the command line, which win."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument(CONFIG_FLAG, dest="config_file", default=None)
-    known, _ = pre.parse_known_args(argv)
+    known, rest = pre.parse_known_args(argv)
+    _refuse_aliases(cls, parser, rest)
     if known.config_file is not None:
         parser.set_defaults(**file_values(cls, parser, known.config_file))
     values = vars(parser.parse_args(argv))
@@ -263,25 +268,73 @@ def parse_values(cls, parser: argparse.ArgumentParser, argv=None) -> dict:
     return values
 
 
+def _refuse_aliases(cls, parser: argparse.ArgumentParser, argv) -> None:
+    """``--K 128`` or ``-T 128`` for ``--budget``, ``--r 8`` for ``--buffer``: the settings reader's refusal
+    ("did you mean --budget?"), before argparse reads a prefix of another flag into it."""
+    from randattn.spec import ALIASES, SettingError, read_settings
+
+    names = [f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+    for arg in argv or ():
+        key = arg.lstrip("-").split("=", 1)[0] if isinstance(arg, str) and arg.startswith("-") else None
+        if key in ALIASES and key not in names:
+            try:
+                given = arg.split("=", 1)[0]
+                read_settings({key: None}, where="the command line", accepted=names,
+                              spell=lambda k: given if k == key else flag_of(k))
+            except SettingError as exc:
+                parser.error(str(exc))
+
+
 def file_values(cls, parser: argparse.ArgumentParser, path: str) -> dict:
     """The settings a ``--config`` TOML file gives ``cls`` (lists as tuples); a file that cannot be read, or a key
     that is no setting of this probe's command line, is a usage error naming ``--config`` and the fix."""
     import tomllib
 
+    from randattn.spec import SettingError, key_lines, read_settings
+
     try:
         with open(path, "rb") as f:
-            table = tomllib.load(f)
+            data = f.read()
+        table = tomllib.loads(data.decode())
     except FileNotFoundError:
         parser.error(f"{CONFIG_FLAG}: {path} does not exist; give a TOML file of this probe's settings")
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         parser.error(f"{CONFIG_FLAG}: cannot read {path} as TOML ({exc}); write one 'name = value' line per setting")
-    names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+    names = sorted(f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True))
     values = {str(k).replace("-", "_"): v for k, v in table.items()}
-    unknown = sorted(k for k in values if k not in names)
-    if unknown:
-        parser.error(f"{CONFIG_FLAG}: {path} sets {', '.join(unknown)}, which this command does not take; its "
-                     f"settings are {', '.join(sorted(names))}")
+    lines = {str(k).replace("-", "_"): n for k, n in key_lines(data.decode()).items()}
+    hints = typing.get_type_hints(cls)
+    try:  # the settings reader: another spelling (K for budget), a key this probe does not take
+        read_settings(values, where=f"{CONFIG_FLAG}: {path}", accepted=names, lines=lines, taker="this command",
+                      types=False)
+        for key, value in values.items():  # a value of the wrong type, named with its file and line
+            problem = _type_problem(value, hints[key])
+            if problem:
+                raise SettingError(key, f"{key} {problem}; the accepted keys are {', '.join(names)}",
+                                   where=f"{CONFIG_FLAG}: {path}:{lines[key]}" if key in lines else
+                                   f"{CONFIG_FLAG}: {path}", key=key, accepted=names)
+    except SettingError as exc:
+        parser.error(str(exc))
     return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+
+def _type_problem(value, tp) -> Optional[str]:
+    """Whether a TOML value has the field's type (a list where the field takes several; an int is a number)."""
+    if value is None:
+        return None
+    kind, several = _base_type(tp), _is_sequence(tp)
+    if several and not isinstance(value, list):
+        value = [value]
+    if isinstance(value, list) and not several:
+        return f"takes one value, got the list {value!r}"
+    what = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind)
+    for v in value if isinstance(value, list) else [value]:
+        ok = {int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+              float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+              bool: lambda x: isinstance(x, bool), str: lambda x: isinstance(x, str)}.get(kind, lambda x: True)
+        if not ok(v):
+            return f"must be {what}, got {v!r} ({type(v).__name__})"
+    return None
 
 
 def build(cls, parser: argparse.ArgumentParser, values: dict):
@@ -429,7 +482,9 @@ class EvictionConfig(RunConfig):
         if policy is None:  # the one being run: ``policy`` (a probe comparing ``policies`` sets it per run)
             single = getattr(self, "policy", None)
             policy = single if isinstance(single, str) and single else (*self.policy_names(), "random")[0]
-        values = {"budget": getattr(self, "budget", None), "buffer": getattr(self, "buffer", 64),
+        from randattn.spec import spec_default
+
+        values = {"budget": getattr(self, "budget", None), "buffer": getattr(self, "buffer", spec_default("buffer")),
                   "protect_prompt": getattr(self, "protect_prompt", None), "seed": self.seed,
                   "stats": getattr(self, "stats", None)}
         values.update(changes)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import randattn
+from randattn.spec import ALIASES, SettingError, key_lines, read_settings
 
 from . import units
 from .config import ConfigError
@@ -50,8 +51,12 @@ COMMAND = {"out", "restart", "no_figure", "figure_dir"}
 GRID_ONLY = {"references"}
 
 
-class SpecError(ValueError):
-    """A bad grid spec; the message starts with the key and says how to fix it."""
+class SpecError(SettingError):
+    """A bad grid spec; the message starts with the key (after ``FILE:LINE`` where the key's line is known) and
+    says how to fix it. The settings' one error type (:class:`randattn.spec.SettingError`)."""
+
+    def __init__(self, message: str, *, where=None, key=None, accepted=()):
+        super().__init__(key or message.split(":", 1)[0], message, where=where, key=key, accepted=accepted)
 
 
 @dataclass
@@ -151,7 +156,8 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
     if not path.exists():
         raise SpecError(f"spec: no file {path}; give a TOML file (see examples/grid_copy.toml)")
     try:
-        raw = tomllib.loads(path.read_text())
+        text = path.read_text()
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"spec: {path} is not valid TOML ({exc})") from None
     probe = raw.pop("probe", None)
@@ -166,6 +172,8 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
         raise SpecError(f"probe: {probe!r} only runs the units other probes plan; name a probe (kinds: "
                         f"{', '.join(_other_kinds(probe))})")
     fields = _fields(kind.config)
+    lines = key_lines(text)
+    at = lambda key: f"{path}:{lines[key]}" if key in lines else str(path)  # noqa: E731
     keys, swept, fixed = {}, [], {}
     first = [k for k in ("models", "model") if k in raw]
     raw = {**{k: raw.pop(k) for k in first}, **raw}  # models sweep first
@@ -177,11 +185,17 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
             name = "policies"
         if key in COMMAND:
             raise SpecError(f"{key}: set by the grid command (--out, --no-figure), not in a spec")
+        if name not in fields and key in ALIASES:  # K, T, r: the settings reader's "did you mean budget?"
+            try:
+                read_settings({key: value}, where=at(key), accepted=sorted({*fields, *PLURALS}))
+            except SettingError as exc:
+                raise SpecError(f"{key}: {exc.message}", where=exc.where, key=key, accepted=exc.accepted) from None
         if name not in fields:
             others = [k for k in _other_kinds(probe) if {key, PLURALS.get(key)} & set(_fields(units.kind(k).config))]
             hint = (f"it belongs to probe = \"{others[0]}\"" if others else
                     f"known keys for probe = \"{probe}\": {', '.join(sorted(fields))}")
-            raise SpecError(f"{key}: not a key of a grid with probe = \"{probe}\"; {hint}")
+            raise SpecError(f"{key}: not a key of a grid with probe = \"{probe}\"; {hint}", where=at(key), key=key,
+                            accepted=sorted(fields))
         keys[name] = key
         tp = fields[name][0]
         if probe == "accuracy" and name == "protect_prompt" and isinstance(value, list):
@@ -193,7 +207,10 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
                 fixed["protocol"] = "matched"
                 continue
             value = value[0] if len(value) == 1 else value
-        values = _value_lists(key, value, tp)
+        try:
+            values = _value_lists(key, value, tp)
+        except SpecError as exc:  # a wrong type or an empty list: the file and line too
+            raise SpecError(str(exc), where=at(key), key=key, accepted=sorted(fields)) from None
         if len(values) == 1:
             fixed[name] = values[0]
         else:

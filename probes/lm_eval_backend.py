@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 import randattn
-from randattn.spec import min_budget
+from randattn.spec import ALIASES, SettingError, read_settings, spec_default
 
 try:
     from lm_eval.api.registry import register_model
@@ -49,12 +49,18 @@ FULL = "full"
 ACCEPTED_ARGS = ("pretrained", "policy", "budget", "buffer", "recent", "protect_prompt", "seed", "batch_size",
                  "max_batch_size", "device", "dtype", "max_length", "tokenizer", "trust_remote_code")
 _EVICTION_ARGS = ("budget", "buffer", "recent", "protect_prompt")
-DEFAULT_BUDGET, DEFAULT_BUFFER = 1024, 64  # the paper's T and r
+#: The spec keys --model_args takes (read by EvictionSpec.from_mapping, as every other source's).
+_SPEC_ARGS = ("policy", *_EVICTION_ARGS, "seed")
+#: This backend's own default T (the paper's; the spec has none); r and the rest are the spec's defaults.
+DEFAULT_BUDGET = 1024
+DEFAULT_BUFFER = spec_default("buffer")
+WHERE = "--model_args"
 #: How a boolean model argument may be spelt (any case); lm-eval itself turns true/false into booleans and 1/0 into
 #: integers before the model sees them. Anything else is refused, never read as "on".
 TRUE_SPELLINGS, FALSE_SPELLINGS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 _UNSET = object()  # protect_prompt left out (lm-eval turns protect_prompt=none into None, which is refused)
 log = logging.getLogger(__name__)
+_KEYS = f"; the accepted keys are {', '.join(ACCEPTED_ARGS)}"
 
 
 def _flag(key: str, value) -> bool:
@@ -68,8 +74,9 @@ def _flag(key: str, value) -> bool:
     if isinstance(value, str) and value.strip().lower() in TRUE_SPELLINGS + FALSE_SPELLINGS:
         return value.strip().lower() in TRUE_SPELLINGS
     unset = " (leave the key out for its default)" if value is None else ""
-    raise ValueError(f"--model_args {key}={value!r}: not a boolean; give {key}=true or {key}=false{unset} (accepted, "
-                     f"any case: {'/'.join(TRUE_SPELLINGS)} for on, {'/'.join(FALSE_SPELLINGS)} for off)")
+    raise SettingError(key, f"not a boolean; give {key}=true or {key}=false{unset} (accepted, any case: "
+                       f"{'/'.join(TRUE_SPELLINGS)} for on, {'/'.join(FALSE_SPELLINGS)} for off){_KEYS}",
+                       where=f"{WHERE} {key}={value!r}", key=key, accepted=ACCEPTED_ARGS)
 
 
 def _integer(key: str, value, *, minimum: int, example: int, below: Optional[int] = None,
@@ -87,9 +94,15 @@ def _integer(key: str, value, *, minimum: int, example: int, below: Optional[int
     if isinstance(parsed, bool) or not isinstance(parsed, int) or parsed < minimum or (below is not None
                                                                                       and parsed >= below):
         span = f"in [{minimum}, {'2**64' if below == 2**64 else below})" if below is not None else f">= {minimum}"
-        raise ValueError(f"--model_args {key}={value!r}: not an integer {span}{' (or left out)' if optional else ''}; "
-                         f"give whole digits, e.g. {key}={example}")
+        raise SettingError(key, f"not an integer {span}{' (or left out)' if optional else ''}; give whole digits, e.g. "
+                           f"{key}={example}{_KEYS}", where=f"{WHERE} {key}={value!r}", key=key,
+                           accepted=ACCEPTED_ARGS)
     return parsed
+
+
+class ModelArgError(SettingError, TypeError):
+    """A key --model_args does not take: the settings' one error type, and a ``TypeError`` as lm-eval's own models
+    raise for an unexpected keyword."""
 
 
 def request_key(tokens) -> int:
@@ -109,8 +122,11 @@ class RandAttnLM(HFLM):
                  device: Optional[str] = None, dtype: Optional[str] = None, max_length: Optional[int] = None,
                  tokenizer: Optional[str] = None, trust_remote_code: bool = False, **unknown):
         if unknown:
-            raise TypeError(f"--model_args {', '.join(sorted(unknown))}: not a randattn model argument; the accepted "
-                            f"ones are {', '.join(ACCEPTED_ARGS)} (lm-eval's other HF options are not passed through)")
+            # another spelling of a spec key (K, T, r): the settings reader's refusal, "did you mean budget?"
+            read_settings({k: v for k, v in unknown.items() if k in ALIASES}, where=WHERE, accepted=ACCEPTED_ARGS)
+            raise ModelArgError(sorted(unknown)[0], f"--model_args {', '.join(sorted(unknown))}: not a randattn model "
+                                f"argument; the accepted ones are {', '.join(ACCEPTED_ARGS)} (lm-eval's other HF "
+                                "options are not passed through)", key=sorted(unknown)[0], accepted=ACCEPTED_ARGS)
         # Every argument is parsed strictly, before the model loads: lm-eval hands --model_args over as its parser
         # guessed them (true/false as booleans, digits as integers, anything else as a string) and --batch_size as
         # a string, so a value is never taken by its truthiness.
@@ -166,12 +182,9 @@ class RandAttnLM(HFLM):
     # -- caches ------------------------------------------------------------------------------------
     @staticmethod
     def _spec_of(s: dict) -> randattn.EvictionSpec:
-        try:
-            return randattn.EvictionSpec(s["policy"], s["budget"], s["buffer"], recent=s["recent"],
-                                         protect_prompt=s["protect_prompt"], seed=s["seed"])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"--model_args policy={s['policy']},budget={s['budget']},buffer={s['buffer']}: {exc}") \
-                from None
+        return randattn.EvictionSpec.from_mapping(
+            {k: s[k] for k in _SPEC_ARGS}, keys=_SPEC_ARGS, where=f"{WHERE} policy={s['policy']},budget={s['budget']},"
+            f"buffer={s['buffer']}")
 
     def _cache_for(self, keys: list) -> randattn.EvictingCache:
         """A fresh cache for one batch, one row key per request (:func:`request_key`)."""

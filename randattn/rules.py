@@ -10,7 +10,7 @@ import numpy as np
 
 from .policies import Policy, paper_mode_twin
 
-__all__ = ["SpecError", "Problem", "check_sizes", "resolve_recent", "resolve_protection", "check_scope", "min_budget",
+__all__ = ["SpecError", "SettingError", "Problem", "check_sizes", "resolve_recent", "resolve_protection", "check_scope", "min_budget",
            "longest_prompt", "prompt_fits_problem"]
 
 
@@ -21,6 +21,17 @@ class SpecError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class SettingError(SpecError):
+    """A setting refused where it was read: ``where`` names the source (``--budget``, ``grid.toml:3``,
+    ``--model_args``, ``additional_config['randattn']``), ``key`` the key as that source spells it, ``accepted`` the
+    keys the source takes. The message starts with ``where``; ``field`` is the spec field, as for :class:`SpecError`."""
+
+    def __init__(self, field: str, message: str, *, where: Optional[str] = None, key: Optional[str] = None,
+                 accepted=()):
+        super().__init__(field, f"{where}: {message}" if where else message)
+        self.where, self.key, self.accepted, self.message = where, key or field, tuple(accepted), message
 
 
 class Problem(str):

@@ -10,19 +10,114 @@ with the same words.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from .policies import Policy, make_policy_and_mode
-from .rules import (Problem, SpecError, _is_int, check_scope, check_sizes, min_budget,  # noqa: F401
+from .rules import (Problem, SettingError, SpecError, _is_int, check_scope, check_sizes, min_budget,  # noqa: F401
                     prompt_fits_problem, resolve_protection, resolve_recent)
 from .seeding import _check_seed
 
-__all__ = ["EvictionSpec", "FULL", "SpecError", "Problem", "prompt_fits_problem", "min_budget"]
+__all__ = ["EvictionSpec", "FULL", "SpecError", "SettingError", "Problem", "prompt_fits_problem", "min_budget",
+           "SPEC_KEYS", "ALIASES", "read_settings", "spec_default", "key_lines"]
 
 #: The policy name meaning "no eviction" (full attention).
 FULL = "full"
+
+
+#: The keys every source of eviction settings spells the same way (the :class:`EvictionSpec` fields).
+SPEC_KEYS = ("policy", "budget", "buffer", "recent", "protect_prompt", "seed", "options", "stats")
+#: Other spellings of a spec key (the paper's ``K``, the docs' ``T`` and ``r``): refused by every source, naming
+#: the one key, so no setting is read under two names.
+ALIASES = {"K": "budget", "k": "budget", "T": "budget", "r": "buffer", "R": "buffer"}
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_mapping(v) -> bool:
+    return isinstance(v, Mapping)
+
+
+#: What each key's value must be, as a source reads it: (check, words). ``None`` is each key's default.
+_KINDS: dict = {
+    "policy": (lambda v: isinstance(v, str) or callable(v), "a policy name (a string)"),
+    "budget": (_is_int, "an integer"),
+    "buffer": (_is_int, "an integer"),
+    "recent": (_is_int, "an integer"),
+    "protect_prompt": (_is_bool, "true or false"),
+    "seed": (_is_int, "an integer"),
+    "options": (_is_mapping, "a mapping of policy option names to values"),
+}
+
+
+def _listed(keys) -> str:
+    return ", ".join(keys)
+
+
+def read_settings(source: Mapping, *, where: str, accepted: Iterable[str] = SPEC_KEYS, lines=None,
+                  spell: Callable[[str], str] = str, taker: str = "it", types: bool = True) -> dict:
+    """The one reader of eviction settings from any source (flags, a TOML file, lm-eval ``model_args``, vLLM's
+    ``additional_config``): ``source`` as a dict, each key checked against ``accepted`` (``spell`` writes a key the
+    way the source does, e.g. ``--budget``; ``lines`` maps a key to its line in the file ``where`` names) and each
+    spec key's value against its type (``types``). Refusals are a :class:`SettingError` naming the source, the key
+    and the accepted keys: another spelling of a spec key (``K``: did you mean budget?), a key the source does not
+    take, a value of the wrong type. ``None`` is every key's default."""
+    accepted = tuple(accepted)
+    shown = _listed(spell(k) for k in accepted)
+
+    def at(key):
+        line = (lines or {}).get(key)
+        return f"{where}:{line}" if line else where
+
+    if not isinstance(source, Mapping):
+        raise SettingError("settings", f"must be a mapping of settings (keys: {shown}), got {type(source).__name__}",
+                           where=where, accepted=accepted)
+    for key in source:
+        target = ALIASES.get(key)
+        if target is not None and key not in accepted:
+            raise SettingError(target, f"{spell(key)} is not a key here; did you mean {spell(target)}? (every source "
+                               f"calls it {target}); the accepted keys are {shown}", where=at(key), key=key,
+                               accepted=accepted)
+    unknown = [k for k in source if k not in accepted]
+    if unknown:
+        import difflib
+
+        close = {k: difflib.get_close_matches(str(k), accepted, n=1) for k in unknown}
+        hint = "".join(f"; {spell(k)}: did you mean {spell(c[0])}?" for k, c in close.items() if c)
+        raise SettingError(str(unknown[0]), f"unknown keys {sorted(map(str, unknown))}: it sets "
+                           f"{_listed(map(spell, unknown))}, which {taker} does not take{hint}; the accepted keys are "
+                           f"{shown}", where=at(unknown[0]), key=str(unknown[0]), accepted=accepted)
+    if types:
+        for key, value in source.items():
+            kind = _KINDS.get(key)
+            if kind is not None and value is not None and not kind[0](value):
+                raise SettingError(key, f"{spell(key)} must be {kind[1]}, got {value!r} ({type(value).__name__}); "
+                                   f"the accepted keys are {shown}", where=at(key), key=key, accepted=accepted)
+    return dict(source)
+
+
+def key_lines(text: str) -> dict:
+    """``{key: line}`` of a TOML text's top-level keys (tomllib keeps no positions), so an error names the line."""
+    import re
+
+    out = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("["):
+            break  # the top-level keys come before the first table
+        m = re.match(r"""\s*(["']?)([A-Za-z0-9_-]+)\1\s*=""", line)
+        if m:
+            out.setdefault(m.group(2), n)
+    return out
+
+
+def spec_default(name: str):
+    """The default of one :class:`EvictionSpec` field, declared once (the dataclass field)."""
+    f = EvictionSpec.__dataclass_fields__[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 @dataclass(frozen=True)
@@ -62,6 +157,31 @@ class EvictionSpec:
     _options: Mapping[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     __hash__ = None  # type: ignore[assignment]
+
+    @classmethod
+    def from_mapping(cls, source: Mapping, *, where: str, keys: Iterable[str] = SPEC_KEYS, extra: Iterable[str] = (),
+                     defaults: Optional[Mapping] = None, lines=None, spell: Callable[[str], str] = str,
+                     taker: str = "it") -> "EvictionSpec":
+        """The spec a source of settings gives (:func:`read_settings`): the spec ``keys`` the source takes (default
+        all of :data:`SPEC_KEYS`) plus its own ``extra``, which are left for the caller; over ``defaults`` (the
+        source's own, different ones). Every refusal, the spec's own checks included, is a :class:`SettingError`
+        naming ``where`` and the key."""
+        keys = tuple(keys)
+        assert set(keys) <= set(SPEC_KEYS), keys
+        accepted = (*keys, *extra)
+        values = read_settings(source, where=where, accepted=accepted, lines=lines, spell=spell, taker=taker)
+        given = {k: v for k, v in values.items() if k in SPEC_KEYS and v is not None}
+        kw = {**(defaults or {}), **given}
+        try:
+            return cls(**kw)
+        except SettingError:
+            raise
+        except SpecError as exc:
+            key = exc.field if exc.field in SPEC_KEYS else "policy"
+            line = (lines or {}).get(key)
+            text = str(exc) if str(exc).startswith(key) else f"{spell(key)}: {exc}"
+            raise SettingError(exc.field, text, where=f"{where}:{line}" if line else where,
+                               key=key, accepted=accepted) from None
 
     @classmethod
     def full(cls) -> "EvictionSpec":

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .. import rounds
-from ..spec import EvictionSpec
+from ..spec import EvictionSpec, SettingError, read_settings
 
 __all__ = ["EngineConfig", "read_config", "parse_config", "max_held_pairs", "held_pairs", "round_lengths",
            "next_round_length", "SECTION"]
@@ -70,27 +70,24 @@ class EngineConfig:
 
 def parse_config(section: Mapping[str, Any]) -> EngineConfig:
     """Check one ``additional_config["randattn"]`` mapping; errors name the bad key and the fix."""
+    where = f"additional_config['{SECTION}']"
     if not isinstance(section, Mapping):
-        raise ValueError(f"additional_config['{SECTION}'] must be a mapping such as "
-                         f"{{'policy': 'random', 'budget': 1024, 'buffer': 64}}, got {type(section).__name__}")
-    unknown = sorted(set(section) - set(_SPEC_KEYS) - set(_PLUGIN_KEYS))
-    if unknown:
-        raise ValueError(f"additional_config['{SECTION}'] has unknown keys {unknown}; the keys are "
-                         f"{list(_SPEC_KEYS + _PLUGIN_KEYS)}")
+        raise SettingError("settings", f"must be a mapping such as {{'policy': 'random', 'budget': 1024, 'buffer': "
+                           f"64}}, got {type(section).__name__}", where=where, accepted=_SPEC_KEYS + _PLUGIN_KEYS)
+    # the keys, their spellings and types first (one reader, EvictionSpec.from_mapping), then the plugin's own rules
+    read_settings(section, where=where, accepted=_SPEC_KEYS + _PLUGIN_KEYS, taker="the plugin")
     if section.get("policy") == "full":
-        raise ValueError(f"additional_config['{SECTION}']: policy 'full' means no eviction; drop the '{SECTION}' "
-                         "section to run vLLM unchanged")
-    if section.get("budget") is None:
-        raise ValueError(f"additional_config['{SECTION}'] needs 'budget' (T, the pairs each KV head holds after a "
-                         "round), e.g. {'policy': 'random', 'budget': 1024, 'buffer': 64}")
-    spec_kw = {k: section[k] for k in _SPEC_KEYS if k in section}
-    if "options" in spec_kw and spec_kw["options"] is None:
-        spec_kw["options"] = {}
-    spec = EvictionSpec(**spec_kw)
+        raise SettingError("policy", f"policy 'full' means no eviction; drop the '{SECTION}' section to run vLLM "
+                           "unchanged", where=where, accepted=_SPEC_KEYS + _PLUGIN_KEYS)
+    if section.get("budget") is None:  # the plugin has no default T (the spec's is None)
+        raise SettingError("budget", "needs 'budget' (T, the pairs each KV head holds after a round), e.g. "
+                           "{'policy': 'random', 'budget': 1024, 'buffer': 64}", where=where,
+                           accepted=_SPEC_KEYS + _PLUGIN_KEYS)
+    spec = EvictionSpec.from_mapping(section, where=where, keys=_SPEC_KEYS, extra=_PLUGIN_KEYS, taker="the plugin")
     log_dir = section.get("keep_log_dir")
     if log_dir is not None and not isinstance(log_dir, str):
-        raise ValueError(f"additional_config['{SECTION}']['keep_log_dir'] must be a folder path string, got "
-                         f"{log_dir!r}")
+        raise SettingError("keep_log_dir", f"keep_log_dir must be a folder path string, got {log_dir!r}",
+                           where=where, key="keep_log_dir", accepted=_SPEC_KEYS + _PLUGIN_KEYS)
     return EngineConfig(spec=spec, keep_log_dir=log_dir)
 
 
