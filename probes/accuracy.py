@@ -54,7 +54,7 @@ from randattn.stats import comparison_table
 from . import cli
 from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted_run import load, write_csv
-from .policy_specs import bind_policies, calibration_options, native_protection, seed_free
+from .policy_specs import bind_policies, calibration_options, grid_protection, native_protection, seed_free
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
@@ -74,12 +74,6 @@ DEFAULT_RESULT_NAME = Path(shipped_name("accuracy")).name
 REPEAT_RESULT_NAME = Path(shipped_name("accuracy_repeat")).name
 #: the figure each shipped run is drawn as (``python -m figures`` draws the same names); other runs: their file's
 FIGURE_NAMES = {DEFAULT_RESULT_NAME: "accuracy", REPEAT_RESULT_NAME: "accuracy_repeat"}
-#: The native prompt protection of each policy in the paper's grid (``random_pp``, ``attn``, ``attn_rkv``,
-#: ``rkv_official``, ``range_sink_sample_attn``, ``triattn_ph`` with the prefill pinned, ``recency_pp``); policies the
-#: grid did not run take their original papers' mode (H2O and StreamingLLM keep no prompt).
-GRID_PROTECTION = {"random": True, "random-shared": True, "random-block": True, "recency": True, "triattention": True,
-                   "random-ppp": True, "snapkv": False, "snapkv-longbench": False, "rkv": False, "rkv-official": False,
-                   "vase": False, "h2o": False, "streamingllm": False, "random-pcap": False, "random-pmix": False}
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -135,6 +129,10 @@ class Config(EvictionConfig):
         if not self.protect_prompt and self.protocol not in (None, "score-only"):
             raise ConfigError("protocol", f"--no-protect-prompt and --protocol {self.protocol} disagree; pass one of "
                                           "them")
+        if self.protocol == "grid":  # an unknown policy is refused here, before anything runs
+            for name in self.policy_names():
+                if grid_protection(name) is None:
+                    raise ConfigError("protocol", _no_grid_mode(name))
         if self.top_p is not None and not (0 < self.top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_p not in (None, 1.0) and (self.temperature == 0 or (self.temperature is None and self.protocol != "grid")):
@@ -377,10 +375,19 @@ def protocol_arms(protocol: str, policies: list[str], budgets, compression: Opti
             return [False]
         if protocol == "matched":
             return [True, False]
-        return [GRID_PROTECTION.get(pol, True)]  # grid: native mode; a user's own selector runs protected
+        grid = grid_protection(pol)  # each policy's own attribute (Policy.paper_protection); never a default
+        if grid is None:
+            raise ConfigError("protocol", _no_grid_mode(pol))
+        return [grid]
 
     return [Arm(pol, k, protect, (compression or {}).get(k)) for k in budgets for pol in policies
             for protect in modes(pol)]
+
+
+def _no_grid_mode(policy: str) -> str:
+    return (f"--protocol grid runs each policy in the paper grid's mode, and {policy!r} declares none "
+            f"(randattn.Policy.paper_protection); set paper_protection on it, or use --protocol protected, "
+            f"score-only or matched")
 
 
 def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:

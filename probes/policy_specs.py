@@ -15,7 +15,8 @@ import randattn
 
 from .config_errors import ConfigError
 
-__all__ = ["resolved", "check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection"]
+__all__ = ["resolved", "check_policy", "check_stats_used", "calibration_options", "bind_policies", "seed_free", "native_protection",
+           "grid_protection"]
 
 
 def resolved(name: str) -> randattn.Policy:
@@ -84,3 +85,12 @@ def native_protection(spec: str) -> Optional[bool]:
     if spec in randattn.PAPER_MODES:
         return randattn.PAPER_MODES[spec][2]
     return resolved(spec).native_protection
+
+
+def grid_protection(spec: str) -> Optional[bool]:
+    """The prompt protection the paper's grid runs a policy with: its own mode where it is defined with one
+    (:func:`native_protection`), else the policy's :attr:`randattn.Policy.paper_protection` (the one table: each
+    policy's own attribute); ``None`` for a policy the grid does not know (a user's selector), which the grid
+    protocol refuses, never defaults."""
+    native = native_protection(spec)
+    return native if native is not None else resolved(spec).paper_protection

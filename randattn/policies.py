@@ -127,6 +127,10 @@ class Policy:
     #: the prompt protection the policy is defined with (None: either). A policy that protects part of the
     #: prompt itself (``random-pcap``) says False, so the core does not pin the whole prompt over it.
     native_protection: Optional[bool] = None
+    #: the prompt protection the paper's grid runs this policy with where it may run either way (``native_protection``
+    #: None): the one table of each policy's mode (``probes.accuracy --protocol grid``); None: not in that grid, so
+    #: that protocol refuses it rather than guess. A paper mode alias names its own (:data:`PAPER_MODES`).
+    paper_protection: Optional[bool] = None
     #: whether the keep-sets depend on the cache's seed (``view.generator`` / ``view.seed``). A seed-free policy
     #: keeps the same pairs for every seed, so probes run it once per configuration. True unless declared.
     uses_seed: bool = True
@@ -418,6 +422,7 @@ class RandomPolicy(Policy):
     ``(T - r - l_p) / (T - l_p)``.
     """
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     def score(self, view: CacheView) -> torch.Tensor:
         return torch.rand(view.shape, generator=view.generator, device=view.keys.device, dtype=torch.float32)
 
@@ -435,6 +440,7 @@ class RandomSharedPolicy(Policy):
     keep-mask pin) still rank a given token identically. Batch rows draw independently.
     """
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     def score(self, view: CacheView) -> torch.Tensor:
         b, h, _ = view.shape
         u = torch.rand((b, view.seq_len), generator=view.generator, device=view.keys.device, dtype=torch.float32)
@@ -446,6 +452,7 @@ class RecencyPolicy(Policy):
     """Most recent pairs first. With prompt protection this is Prefix Sliding (the paper's ``recency_pp``:
     prompt + recent window); without it, a plain sliding window."""
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     def score(self, view: CacheView) -> torch.Tensor:
@@ -456,6 +463,7 @@ class RecencyPolicy(Policy):
 class StreamingLLMPolicy(Policy):
     """StreamingLLM: the first ``n_sink`` positions (attention sinks) plus the most recent window."""
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     def __init__(self, n_sink: int = 4):
@@ -483,6 +491,7 @@ class RandomBlockPolicy(Policy):
     varies (1..64 cost almost nothing; 256 leaves too few blocks per head).
     """
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     def __init__(self, block: int = 32, align: str = "slot"):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"random-block block must be a positive int (tokens per block), got {block!r}")
@@ -514,6 +523,7 @@ class RandomPromptCapPolicy(Policy):
     prompts, where protecting all of it leaves too little budget for the trace (``PROMPT_CAP`` 512).
     The policy pins the prompt itself, so the cache runs it with ``protect_prompt=False``."""
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     native_protection = False
 
     def __init__(self, cap: int = 512):
@@ -537,6 +547,7 @@ class RandomPromptMixPolicy(Policy):
     per layer. The roles are drawn from the cache's seed and the layer, so they repeat at every round. The
     policy pins the prompt itself, so the cache runs it with ``protect_prompt=False``."""
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     native_protection = False
 
     def __init__(self, p: float = 0.25, small: int = 256):
@@ -576,6 +587,7 @@ class RandomPlanPrefixPolicy(Policy):
     ``whole_prompt=True`` (the default of the name ``random-ppp``) also has the core pin the whole prompt; the two
     keep the same pairs whenever the prompt fits in ``K - min_scatter``."""
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     def __init__(self, plan_prefix: int = 768, min_scatter: int = 64, whole_prompt: bool = True):
         for name, val in (("plan_prefix", plan_prefix), ("min_scatter", min_scatter)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 0:

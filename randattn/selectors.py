@@ -195,6 +195,7 @@ class H2OPolicy(Policy):
     in the paper's grid; kept for comparison.
     """
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     needs = frozenset({"attention"})
@@ -225,6 +226,7 @@ class SnapKVPolicy(Policy):
     authors' setting.
     """
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     needs = frozenset({"queries"})
@@ -274,6 +276,7 @@ class RKVPolicy(Policy):
     (float32; ``"bfloat16"`` as the paper's engine). ``rkv-official`` is the R-KV authors' version.
     """
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     needs = frozenset({"queries"})
@@ -305,6 +308,7 @@ class RKVOfficialPolicy(Policy):
     (float32; ``"bfloat16"`` as the paper's engine: logits and cosines rounded, softmax and its mean in float32).
     """
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
 
     needs = frozenset({"queries"})
@@ -347,6 +351,7 @@ class VaSEPolicy(Policy):
     rounding of a batch's matmuls cannot reorder a token's tied copies (docs/cache.md, row keys).
     """
 
+    paper_protection = False  # the paper grid's mode (Policy.paper_protection)
     needs = frozenset({"queries"})
 
     def __init__(self, n_top: "int | None" = None, n_sink: int = 4, window: Optional[int] = None, kernel: int = 5,

@@ -353,6 +353,7 @@ class TriAttentionPolicy(Policy):
             (``triattn_pl``).
     """
 
+    paper_protection = True  # the paper grid's mode (Policy.paper_protection)
     uses_seed = False
     calibration = "stats"
     needs = frozenset()
