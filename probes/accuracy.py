@@ -118,6 +118,8 @@ class Config(EvictionConfig):
     options: dict = option({}, "resolved policy options", cli=False)
 
     full_allowed = True
+    #: a grid's ``protect_prompt = [true, false]``: both modes in one run, ``protocol = "matched"`` (probes.grid_spec)
+    both_protections = ("protocol", "matched")
 
     def protection_of(self, policy: str) -> Optional[bool]:
         return None  # the protocol decides each arm's protection (protocol_arms)

@@ -93,11 +93,18 @@ def keeplog_part(config, model, tok, policies: list[str], sizes: dict) -> tuple[
     return table, metrics
 
 
+#: The trial run's own settings (declared once): an 8-token prompt and 24 new tokens reach T + r = 20, so rounds run
+#: within a few forwards whatever the challenge's own T and r.
+PREFLIGHT = {"budget": 16, "buffer": 4}
+
+
 def preflight(model, tok, policy: str, *, protect: bool, options: dict) -> Optional[str]:
-    """Run the selector for a few rounds on the real model; the error text when it fails, else None."""
+    """Run the selector for a few rounds on the real model (:data:`PREFLIGHT`); the error text when it fails, else
+    None."""
     ids = torch.tensor([tok("Let us check the selector on a short text before the long runs begin.",
                             add_special_tokens=False)["input_ids"][:8]], device=model.device)
-    cache = randattn.EvictionSpec(policy, 16, 4, protect_prompt=protect, options=options).make_cache()
+    cache = randattn.EvictionSpec.from_mapping({"policy": policy, "protect_prompt": protect, "options": options,
+                                                **PREFLIGHT}, where="the challenge's trial run").make_cache()
     try:
         randattn.generate(model, ids, cache, max_new_tokens=24, min_new_tokens=24, do_sample=False,
                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 0)

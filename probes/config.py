@@ -310,7 +310,7 @@ def file_values(cls, parser: argparse.ArgumentParser, path: str) -> dict:
         for key, value in values.items():  # a value of the wrong type, named with its file and line
             problem = _type_problem(value, hints[key])
             if problem:
-                raise SettingError(key, f"{key} {problem}; the accepted keys are {', '.join(names)}",
+                raise SettingError(key, f"{key}: {problem}; the accepted keys are {', '.join(names)}",
                                    where=f"{CONFIG_FLAG}: {path}:{lines[key]}" if key in lines else
                                    f"{CONFIG_FLAG}: {path}", key=key, accepted=names)
     except SettingError as exc:

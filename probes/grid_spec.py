@@ -21,7 +21,8 @@ A list given for a field that takes one value runs every value (a sweep: one run
 in the order the keys are written, models first); a field that takes several (``policy``, ``budget`` of the
 accuracy harness, ``policies`` of the passcode) takes the list as its value. ``models``, ``seeds``, ``budgets``,
 ``buffers`` and ``policies`` are the plural spellings of ``model``, ``seed``, ``budget``, ``buffer`` and
-``policy``. Accuracy only: ``protect_prompt = [true, false]`` is ``protocol = "matched"``. Defaults are the
+``policy``. ``protect_prompt = [true, false]`` is what a probe's ``Config.both_protections`` says (the accuracy
+harness: ``protocol = "matched"``); elsewhere it sweeps the two values. Defaults are the
 probe's own (``python -m probes.<probe>``); ``out``, ``restart``, ``no_figure`` and ``figure_dir`` are the grid
 command's. Paths are relative to the working directory, as on a command line. A wrong key, type, value, policy,
 task or model is a :class:`SpecError` naming the key and the fix.
@@ -189,7 +190,7 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
             try:
                 read_settings({key: value}, where=at(key), accepted=sorted({*fields, *PLURALS}))
             except SettingError as exc:
-                raise SpecError(f"{key}: {exc.message}", where=exc.where, key=key, accepted=exc.accepted) from None
+                raise SpecError(exc.message, where=exc.where, key=key, accepted=exc.accepted) from None
         if name not in fields:
             others = [k for k in _other_kinds(probe) if {key, PLURALS.get(key)} & set(_fields(units.kind(k).config))]
             hint = (f"it belongs to probe = \"{others[0]}\"" if others else
@@ -198,13 +199,14 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
                             accepted=sorted(fields))
         keys[name] = key
         tp = fields[name][0]
-        if probe == "accuracy" and name == "protect_prompt" and isinstance(value, list):
-            both = sorted(set(value)) == [False, True]
-            if both:
-                if "protocol" in raw:
-                    raise SpecError("protect_prompt: [true, false] is protocol = \"matched\"; drop one of the keys")
-                keys["protocol"] = key
-                fixed["protocol"] = "matched"
+        both_modes = getattr(kind.config, "both_protections", None)  # a probe's own (field, value), declared there
+        if both_modes and name == "protect_prompt" and isinstance(value, list):
+            if sorted(set(value)) == [False, True]:
+                field_, meaning = both_modes
+                if field_ in raw:
+                    raise SpecError(f"protect_prompt: [true, false] is {field_} = \"{meaning}\"; drop one of the keys")
+                keys[field_] = key
+                fixed[field_] = meaning
                 continue
             value = value[0] if len(value) == 1 else value
         try:

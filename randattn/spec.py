@@ -79,8 +79,8 @@ def read_settings(source: Mapping, *, where: str, accepted: Iterable[str] = SPEC
     for key in source:
         target = ALIASES.get(key)
         if target is not None and key not in accepted:
-            raise SettingError(target, f"{spell(key)} is not a key here; did you mean {spell(target)}? (every source "
-                               f"calls it {target}); the accepted keys are {shown}", where=at(key), key=key,
+            raise SettingError(target, f"{spell(key)}: not a key here; did you mean {spell(target)}? (every source calls "
+                               f"it {target}); the accepted keys are {shown}", where=at(key), key=key,
                                accepted=accepted)
     unknown = [k for k in source if k not in accepted]
     if unknown:
@@ -95,7 +95,7 @@ def read_settings(source: Mapping, *, where: str, accepted: Iterable[str] = SPEC
         for key, value in source.items():
             kind = _KINDS.get(key)
             if kind is not None and value is not None and not kind[0](value):
-                raise SettingError(key, f"{spell(key)} must be {kind[1]}, got {value!r} ({type(value).__name__}); "
+                raise SettingError(key, f"{spell(key)}: must be {kind[1]}, got {value!r} ({type(value).__name__}); "
                                    f"the accepted keys are {shown}", where=at(key), key=key, accepted=accepted)
     return dict(source)
 

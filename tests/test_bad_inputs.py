@@ -50,6 +50,9 @@ PLANTED = {  # files the user owns in the scratch folder (the working directory 
     "rows.jsonl": b'{"instance": 0, "condition": "a", "fact": 0, "lp": -1.0, "config": {"probe": "head_pooling"}}\n',
     "sub/thesis.tex": b"\\documentclass{article}\n",
     "figs/head_pooling.png": b"\x89PNG my own plot, not randattn's\n",
+    "config_alias.toml": b"K = 64\n",  # the settings reader's bad inputs (issue 35)
+    "config_type.toml": b'budget = "128"\n',
+    "grid_alias.toml": b'probe = "accuracy"\nK = [64]\n',
 }
 
 PLANTED_ARGS = ["--model", "{TINY}", "--out", "{S}/out", "--budget", "64", "--buffer", "12", "--distance", "90",
@@ -389,6 +392,15 @@ CLI_ROWS = [
     ("cli-command-unknown", "randattn.cli", ["nope"], "unknown command 'nope'; known commands: probe"),
     ("cli-probe-unknown", "randattn.cli", ["probe", "nope"], "unknown probe 'nope'; known probes:"),
     ("cli-bench-unknown", "randattn.cli", ["bench", "nope"], "unknown benchmark 'nope'; known benchmarks:"),
+    # -- one settings reader (issue 35): another spelling of a key, a wrong type; naming the flag or file and line
+    ("passcode-flag-alias-K", "probes.passcode", ["--K", "128"],
+     "the command line: --K: not a key here; did you mean --budget?"),
+    ("passcode-flag-alias-r", "probes.passcode", ["-r", "8"], "the command line: -r: not a key here; did you mean --buffer?"),
+    ("passcode-config-alias-K", "probes.passcode", ["--config", "{S}/config_alias.toml"],
+     "config_alias.toml:1: K: not a key here; did you mean budget?"),
+    ("passcode-config-budget-string", "probes.passcode", ["--config", "{S}/config_type.toml"],
+     "config_type.toml:1: budget: must be an integer, got '128' (str); the accepted keys are"),
+    ("grid-alias-K", "probes.grid", ["{S}/grid_alias.toml"], "grid_alias.toml:2: K: not a key here; did you mean budget?"),
 ]
 # Planted-fact rows without their own flag set take PLANTED_ARGS (their flags come last and win).
 _PLANTED_PROBES = ("probes.head_pooling", "probes.scatter", "probes.two_facts", "probes.blocks", "probes.shared_draw")
@@ -664,7 +676,27 @@ API_ROWS = [
     ("vllm-config-no-budget", lambda: _vllm_config({"policy": "random", "buffer": 8}), "needs 'budget'"),
     ("vllm-policy-h2o", lambda: _vllm_config({"policy": "h2o", "budget": 64, "buffer": 8}),
      "policy 'h2o' needs the attention each pair received"),
+    # One settings reader (issue 35): another spelling of a key, a key the source does not take, a wrong type; each
+    # names the source and the key and lists the accepted keys (tests/test_settings_reader.py has every source).
+    ("vllm-config-alias-K", lambda: _vllm_config({"K": 64, "buffer": 8}),
+     "additional_config['randattn']: K: not a key here; did you mean budget?"),
+    ("vllm-config-alias-r", lambda: _vllm_config({"budget": 64, "r": 8}),
+     "additional_config['randattn']: r: not a key here; did you mean buffer?"),
+    ("vllm-config-budget-string", lambda: _vllm_config({"budget": "64", "buffer": 8}),
+     "additional_config['randattn']: budget: must be an integer, got '64' (str); the accepted keys are policy, budget"),
+    ("spec-from-mapping-alias-T", lambda: randattn.EvictionSpec.from_mapping({"T": 64}, where="settings"),
+     "settings: T: not a key here; did you mean budget?"),
+    ("lm-eval-model-args-alias-K", lambda: _lm_eval("K=512"), "--model_args: K: not a key here; did you mean budget?"),
+    ("lm-eval-model-args-unknown", lambda: _lm_eval("window=3"),
+     "--model_args window: not a randattn model argument; the accepted ones are pretrained, policy"),
 ]
+
+
+def _lm_eval(args):
+    """lm-eval's way of building the model from --model_args (refused before anything loads)."""
+    from probes.lm_eval_backend import RandAttnLM
+
+    return RandAttnLM.create_from_arg_string(f"pretrained=/no/such/dir,{args}")
 
 
 def _vllm_config(section):
