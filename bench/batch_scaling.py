@@ -16,13 +16,13 @@ import sys
 from dataclasses import dataclass
 
 from bench.common import BenchConfig, meta, prepare, run_arms, write_results
-from probes.config import POSITIVE, eviction, option, setting
+from probes.config import DEFAULT, POSITIVE, eviction, option, setting
 
 POLICIES = ("random", "snapkv", "rkv", "triattention")
 
 
 @dataclass
-@eviction(policies=setting(POLICIES, help="evicting policies run beside full attention"), stats=None)
+@eviction(policies=setting(POLICIES, help="evicting policies run beside full attention"), stats=DEFAULT)
 class Config(BenchConfig):
     """Batch amplification: decode throughput vs batch size per cache, and the share of time in eviction rounds."""
 

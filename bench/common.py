@@ -18,7 +18,8 @@ import torch
 import randattn
 from randattn.rules import prompt_fits_problem
 from probes.common import result_file
-from probes.config import POSITIVE, ConfigError, EvictionConfig, build, eviction, option, parse_values, parser_for
+from probes.config import (DEFAULT, POSITIVE, ConfigError, EvictionConfig, build, eviction, option, parse_values,
+                           parser_for)
 from probes.policy_specs import bind_policies, calibration_options
 
 # The checkout bench/ sits in (for `git rev-parse` and the default trace / result paths); with a
@@ -61,7 +62,7 @@ class BenchBase(EvictionConfig):
 
 
 @dataclass
-@eviction(budget=1024, buffer=64)
+@eviction(budget=1024, buffer=DEFAULT)  # r: the spec's (64)
 class BenchConfig(BenchBase):
     """The settings every generation benchmark takes: the probes' run flags (``--model``, ``--device``, ``--seed``),
     the eviction settings from their one definition (:data:`probes.config.SETTINGS`; defaults: the paper's geometry,

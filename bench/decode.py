@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass
 
 from bench.common import WINDOW, BenchConfig, medians, meta, prepare, run_arms, write_results
-from probes.config import POSITIVE, eviction, option, setting
+from probes.config import DEFAULT, POSITIVE, eviction, option, setting
 
 
 @dataclass
-@eviction(policies=setting(("random",), help="evicting policies compared with the full cache"), stats=None)
+@eviction(policies=setting(help="evicting policies compared with the full cache"), stats=DEFAULT)
 class Config(BenchConfig):
     """Decode throughput and KV memory: full cache, HF's sliding window and evicting policies, side by side."""
 

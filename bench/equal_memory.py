@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from bench.common import BenchConfig, kv_bytes_per_position, meta, prepare, run_arms, write_results
-from probes.config import POSITIVE, eviction, option, setting
+from probes.config import DEFAULT, POSITIVE, eviction, option, setting
 
 
 @dataclass
-@eviction(policies=setting(("random",), help="evicting policies compared with full attention"), stats=None)
+@eviction(policies=setting(help="evicting policies compared with full attention"), stats=DEFAULT)
 class Config(BenchConfig):
     """Equal KV memory: the largest batch each cache fits in one KV budget, and the total tokens/s it reaches."""
 

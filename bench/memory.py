@@ -25,14 +25,14 @@ import randattn
 
 from bench.common import (REPO_ROOT, BenchConfig, check_rounds_run, meta, parse, policy_options, run_arms, setup,
                           write_results)
-from probes.config import POSITIVE, eviction, option, setting
+from probes.config import DEFAULT, POSITIVE, eviction, option, setting
 from probes.policy_specs import calibration_options
 
 MARK = "ARM-RESULT "
 
 
 @dataclass
-@eviction(policies=setting(("random",), help="evicting policies compared with full attention"), stats=None)
+@eviction(policies=setting(help="evicting policies compared with full attention"), stats=DEFAULT)
 class Config(BenchConfig):
     """Peak memory of a long generation: process RSS high-water mark and peak KV bytes, full attention vs eviction."""
 

@@ -24,14 +24,14 @@ import torch
 
 import randattn
 from bench.common import REPO_ROOT, BenchConfig, load, meta, parse, policy_options, write_results
-from probes.config import POSITIVE, eviction, option, setting
+from probes.config import DEFAULT, POSITIVE, eviction, option, setting
 from probes.survival import build_chats, read_rows
 
 DEFAULT_TRACES = REPO_ROOT / "data" / "traces" / "smollm2-135m.jsonl"
 
 
 @dataclass
-@eviction(policies=setting(("random",), help="evicting policies to replay under"), stats=None)
+@eviction(policies=setting(help="evicting policies to replay under"), stats=DEFAULT)
 class Config(BenchConfig):
     """Replay vs token-by-token decoding: the probes' teacher-forced workload, same tokens, same evicting cache."""
 

@@ -44,7 +44,7 @@ from analysis.names import result_name
 
 from . import cli, leaderboard
 from .challenge_parts import keeplog_part, preflight
-from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
+from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .leaderboard import REFERENCE
 from .planted_run import load, write_csv
 from .policy_specs import calibration_options
@@ -74,7 +74,7 @@ BOARD_OPTIONS = {"problems": ("problems",), "runs": ("runs",), "body": ("body",)
 @dataclass
 @eviction(policy=setting("", help="your selector: MODULE:CALLABLE, path/to/file.py:CALLABLE or a registered name "
                                   "(runs the file's code: load only selectors you trust)"),
-          budget=256, buffer=16, protect_prompt=True, stats=None)
+          budget=256, buffer=16, protect_prompt=True, stats=DEFAULT)
 class Config(EvictionConfig):
     """The null-hypothesis challenge (``python -m probes.challenge --policy MODULE:CALLABLE``)."""
 

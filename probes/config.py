@@ -5,7 +5,7 @@ analysis of its rows. The command line, the grid and the challenge all build the
 command line sees an argparse Namespace::
 
     @dataclass
-    @eviction(policy="random", budget=256, buffer=16)   # the eviction settings: defined once (SETTINGS)
+    @eviction(policy=DEFAULT, budget=256, buffer=16)    # the eviction settings: defined once (SETTINGS); DEFAULT: the spec's
     class MyConfig(EvictionConfig):
         body: int = option(512, "tokens between question and answer", check=POSITIVE)   # the probe's own
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from .config_errors import ConfigError, flag_of
 
 __all__ = ["ConfigError", "Config", "RunConfig", "EvictionConfig", "eviction", "setting", "SETTINGS", "option", "parse",
-           "parser_for", "POSITIVE", "NONNEGATIVE", "FINITE", "PROBABILITY", "SEED", "SEED_LIMIT", "flag_of"]
+           "parser_for", "DEFAULT", "POSITIVE", "NONNEGATIVE", "FINITE", "PROBABILITY", "SEED", "SEED_LIMIT", "flag_of"]
 
 
 def _number(value) -> bool:
@@ -360,26 +360,37 @@ class Setting:
     check: Optional[Callable] = None
     metavar: Optional[str] = None
     help_off: Optional[str] = None  # a bool setting's help when its default is True (the --no-... switch)
+    default: Any = None  # the spec's default (randattn.EvictionSpec), where it has one (see ``has_default``)
+    has_default: bool = False
+
+
+def _spec_default(name: str, *, many: bool = False) -> dict:
+    """``default=`` and ``has_default=`` of a :class:`Setting` whose default is the spec's field ``name``."""
+    from randattn.spec import spec_default
+
+    value = spec_default(name)
+    return {"default": (value,) if many else value, "has_default": True}
 
 
 #: The eviction settings a probe may have, each defined once: the fields :func:`eviction` adds. Their values become
 #: a :class:`randattn.EvictionSpec` (:meth:`EvictionConfig.spec`), which checks them with the core's rules.
 SETTINGS = {
     "policy": Setting(str, "the eviction policy: a registered name, a paper mode (e.g. attn_pp) or your own selector "
-                           "as MODULE:CALLABLE or path/to/file.py:CALLABLE", metavar="POLICY"),
+                           "as MODULE:CALLABLE or path/to/file.py:CALLABLE", metavar="POLICY",
+                      **_spec_default("policy")),
     "policies": Setting(tuple[str, ...], "the policies compared (each a registered name, a paper mode or "
-                                         "MODULE:CALLABLE)", metavar="POLICY"),
+                                         "MODULE:CALLABLE)", metavar="POLICY", **_spec_default("policy", many=True)),
     "budget": Setting(int, "T: pairs each KV head holds right after a round, the newest r among them",
                       check=POSITIVE),
     "buffer": Setting(int, "r: new pairs between rounds (the recent window: the newest r pairs are never "
-                           "candidates)", check=POSITIVE),
+                           "candidates)", check=POSITIVE, **_spec_default("buffer")),
     "protect_prompt": Setting(bool, "protect the prompt: pin it in every head (by default it competes with "
                                     "everything else)",
                               help_off="score only: the prompt competes with everything else (by default it is "
                                        "pinned in every head)"),
     "stats": Setting(Optional[str], "calibration statistics for a policy that reads them (TriAttention: `python -m "
                                     "randattn.calibrate`); the embedded model's ship with the package",
-                     metavar="FILE"),
+                     metavar="FILE", **_spec_default("stats")),
 }
 
 
@@ -390,10 +401,20 @@ class _Default:
     overrides: dict
 
 
-def setting(default: Any, *, several: bool = False, **overrides) -> _Default:
+class _SpecDefault:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+#: In :func:`eviction`: this setting with the spec's own default (:class:`randattn.EvictionSpec`), not restated.
+DEFAULT = _SpecDefault()
+
+
+def setting(default: Any = DEFAULT, *, several: bool = False, **overrides) -> _Default:
     """A probe's default for one eviction setting in :func:`eviction`, with what the probe words its own way:
     ``help``, ``cli=False`` (set from code only), ``choices``, ``metavar``. ``several``: the field takes a list
-    (``--budget 128 256``, a sweep); a ``None`` default makes the field optional (the probe fills it in)."""
+    (``--budget 128 256``, a sweep); a ``None`` default makes the field optional (the probe fills it in); no default
+    (:data:`DEFAULT`): the spec's."""
     return _Default(default, several, overrides)
 
 
@@ -402,10 +423,12 @@ def eviction(**defaults):
     first fields, each with its one definition and this probe's default (a value, or :func:`setting`)::
 
         @dataclass
-        @eviction(policy="random", budget=128, buffer=32, protect_prompt=True)
+        @eviction(policy=DEFAULT, budget=128, buffer=32, protect_prompt=True)
         class Config(EvictionConfig): ...
 
-    A subclass names only what it changes (``@eviction(protect_prompt=True)``)."""
+    :data:`DEFAULT` (or ``setting(help=...)`` without a value) takes the spec's default (``policy="random"``,
+    ``buffer=64``, ``stats=None``), so a probe states only the defaults that differ. A subclass names only what it
+    changes (``@eviction(protect_prompt=True)``)."""
     unknown = sorted(set(defaults) - set(SETTINGS))
     if unknown:
         raise TypeError(f"not an eviction setting: {', '.join(unknown)}; the settings are {', '.join(SETTINGS)}")
@@ -420,6 +443,10 @@ def eviction(**defaults):
         for name, given in defaults.items():
             d = given if isinstance(given, _Default) else _Default(given, False, {})
             s = SETTINGS[name]
+            if d.value is DEFAULT:  # the spec's default, declared once there
+                if not s.has_default:
+                    raise TypeError(f"{name} has no spec default; give {cls.__name__}'s own")
+                d = _Default(s.default, d.several, d.overrides)
             tp = s.type
             # a list-valued default (or ``several``) makes a one-value setting a tuple of them; ``policies`` is one
             # already (``tuple[str, ...] is tuple[str, ...]`` is False: each spelling is a new alias, so never ``is``)

@@ -19,7 +19,7 @@ import randattn
 
 from . import cli
 from .common import ranges
-from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
+from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option
 from .planted_run import load
 
 DEFAULT_PROMPT = (
@@ -30,7 +30,7 @@ DEFAULT_PROMPT = (
 
 
 @dataclass
-@eviction(policy="random", budget=128, buffer=32, protect_prompt=True)
+@eviction(policy=DEFAULT, budget=128, buffer=32, protect_prompt=True)
 class Config(EvictionConfig):
     """Generate with an evicting cache and show what each KV head evicted (``python -m probes.demo``)."""
 

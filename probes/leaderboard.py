@@ -57,7 +57,7 @@ from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, registration, survival, units
 from .common import policy_slug
-from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
+from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder
 from .planted_run import PlantedConfig, load, run_conditions, setup, write_csv
 from .policy_specs import calibration_options
@@ -95,7 +95,7 @@ def _fraction(value) -> Optional[str]:
 @dataclass
 @eviction(policies=setting(DEFAULT_SELECTORS, help="registered selectors ranked against Random (names or paper modes; "
                                                    "default: every selector the paper compared it with)"),
-          budget=256, buffer=16, protect_prompt=True, stats=None)
+          budget=256, buffer=16, protect_prompt=True, stats=DEFAULT)
 class Config(EvictionConfig):
     """Every selector against protected Random on the embedded tasks (``python -m probes.leaderboard``)."""
 
