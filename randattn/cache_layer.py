@@ -12,15 +12,12 @@ from it, so new tokens keep their true positions) and the physical one through :
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .rules import SpecError
-
-if TYPE_CHECKING:
-    from .cache import EvictingCache
 
 __all__ = ["EvictingLayer"]
 
@@ -47,7 +44,7 @@ class EvictingLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, parent: "EvictingCache", layer_idx: int):
+    def __init__(self, parent, layer_idx: int):  # parent: the randattn.EvictingCache (which imports this module)
         super().__init__()
         self.parent = parent
         self.layer_idx = layer_idx
