@@ -145,8 +145,7 @@ def check_rounds_run(p: argparse.ArgumentParser, args, prompt_len: int) -> None:
     generation reaches T + r, so that rounds run; else a usage error naming ``--budget``."""
     problem = prompt_fits_problem(prompt_len, budget=args.budget, recent=args.buffer, protect=True)
     if problem:
-        p.error(f"--budget {args.budget} cannot hold the protected {prompt_len}-token prompt plus one free slot beside "
-                f"the recent window of r={args.buffer}; use --budget >= {problem.need}")
+        p.error(problem.worded(budget_text=f"--budget {args.budget}", use="--budget", fix=None))
     total = prompt_len + args.new_tokens
     if total < args.budget + args.buffer:
         p.error(f"{total} tokens never reach T + r = {args.budget + args.buffer}: no eviction would run; "

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 import randattn
+from randattn.rules import longest_prompt
 
 from bench.common import BenchBase, hidden, parse, provenance, result_path
 from probes.config import POSITIVE, eviction, option, setting
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
         p.error(f"--policies: unknown {unknown}; choose from {', '.join(randattn.known_policies())}")
     if "random" not in policies:
         policies = ["random", *policies]
-    fits = min(k - r - 1 for *_, k, r in SHAPES)  # the protected prompt plus one free slot beside the recent window
+    fits = min(longest_prompt(k, r) for *_, k, r in SHAPES)  # the one prompt-fits rule (randattn.rules)
     if args.prompt > fits:
         p.error(f"--prompt: {args.prompt} protected tokens do not fit the smallest budget measured "
                 f"({', '.join(f'{s[0]}: T={s[4]}, r={s[5]}' for s in SHAPES)}); use --prompt <= {fits}")

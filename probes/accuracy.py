@@ -410,9 +410,8 @@ def check_prompt_fits(arms: list[Arm], longest: int, buffer: int) -> None:
                                     "smaller --buffer") from None
         problem = spec.validate(longest)
         if problem:
-            raise ConfigError(name, f"{what} cannot hold the protected {longest}-token prompt plus one slot beside the "
-                                    f"recent window of r={buffer}; use T >= {problem.need}, a smaller compression, "
-                                    "or --no-protect-prompt")
+            raise ConfigError(name, problem.worded(budget_text=what, use="T",
+                                                   fix="a smaller compression, or --no-protect-prompt"))
 
 
 # -- main ---------------------------------------------------------------------------------------------

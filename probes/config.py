@@ -601,7 +601,5 @@ class EvictionConfig(RunConfig):
             protect = next((f for f in dataclasses.fields(self) if f.name == "protect_prompt"), None)
             if fix is None and protect is not None:
                 fix = "--no-protect-prompt" if protect.default else "without --protect-prompt"
-            raise ConfigError(problem.field, f"{what + ': ' if what else ''}T={budget} cannot hold the protected "
-                                             f"{prompt_len}-token prompt plus one free slot beside the recent window "
-                                             f"of r={recent}; use --budget >= {problem.need}"
-                                             + (f" or {fix}" if fix else ""))
+            raise ConfigError(problem.field, problem.worded(budget_text=f"{what + ': ' if what else ''}T={budget}",
+                                                            use="--budget", fix=fix))

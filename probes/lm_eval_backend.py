@@ -196,12 +196,10 @@ class RandAttnLM(HFLM):
         self.requests_evicted += rows if cache.layers and sum(cache.events) > 0 else 0
 
     def _check_fits(self, prompt_len: int, what: str) -> None:
-        if self.eviction_spec.validate(prompt_len):
-            s = self.eviction_spec
-            raise ValueError(
-                f"budget={s.budget} cannot hold the protected {prompt_len}-token {what} plus one slot beside the "
-                f"recent window of {s.recent_window}: use budget >= {min_budget(prompt_len, s.recent_window)}, "
-                f"protect_prompt=False, or fewer few-shot examples (--num_fewshot)")
+        problem = self.eviction_spec.validate(prompt_len)
+        if problem:
+            raise ValueError(problem.worded(budget_text=f"budget={problem.budget}", what=what,
+                                            fix="protect_prompt=False, or fewer few-shot examples (--num_fewshot)"))
 
     # -- generate_until ----------------------------------------------------------------------------
     def _model_generate(self, context, max_length, stop, **generation_kwargs):

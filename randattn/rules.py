@@ -11,7 +11,7 @@ import numpy as np
 from .policies import Policy, paper_mode_twin
 
 __all__ = ["SpecError", "SettingError", "Problem", "check_sizes", "resolve_recent", "resolve_protection", "check_scope", "min_budget",
-           "longest_prompt", "prompt_fits_problem"]
+           "longest_prompt", "prompt_fits_problem", "fits_wording"]
 
 
 class SpecError(ValueError):
@@ -42,10 +42,26 @@ class Problem(str):
     field: str
     need: int
 
-    def __new__(cls, message: str, field: str, need: int):
+    def __new__(cls, message: str, field: str, need: int, *, prompt_len: Optional[int] = None,
+                budget: Optional[int] = None, recent: Optional[int] = None):
         obj = super().__new__(cls, message)
         obj.field, obj.need = field, need
+        obj.prompt_len, obj.budget, obj.recent = prompt_len, budget, recent
         return obj
+
+    def worded(self, **words) -> str:
+        """The same problem in a source's own words (:func:`fits_wording`: ``budget_text``, ``what``, ``use``,
+        ``fix``), e.g. a command line's ``--budget`` and ``--no-protect-prompt``."""
+        return fits_wording(self.prompt_len, budget=self.budget, recent=self.recent, need=self.need, **words)
+
+
+def fits_wording(prompt_len: int, *, budget: int, recent: int, need: int, budget_text: Optional[str] = None,
+                 what: str = "prompt", use: str = "budget", fix: Optional[str] = "protect_prompt=False") -> str:
+    """The one wording of the prompt-fits rule; a source names its own ``budget_text`` (default ``budget T=...``),
+    whose prompt (``what``), the setting to raise (``use``) and the other way out (``fix``)."""
+    text = budget_text if budget_text is not None else f"budget T={budget}"
+    return (f"{text} cannot hold the protected {what} of {prompt_len} tokens plus one free slot beside the recent "
+            f"window of {recent}; use {use} >= {need}" + (f" or {fix}" if fix else ""))
 
 
 def _is_int(val) -> bool:
@@ -115,7 +131,7 @@ def prompt_fits_problem(prompt_len: int, *, budget: int, recent: int, protect: b
     # (pl = min(prompt_len, K - 1)); a clamp changes the policy, so it is a problem here instead.
     need = min_budget(prompt_len, recent)
     if protect and need > budget:
-        return Problem(f"budget T={budget} cannot hold the protected prompt of {prompt_len} tokens plus one free slot "
-                       f"beside the recent window of {recent}; use budget >= {need} or protect_prompt=False", "budget", need)
+        return Problem(fits_wording(prompt_len, budget=budget, recent=recent, need=need), "budget", need,
+                       prompt_len=prompt_len, budget=budget, recent=recent)
     return None
 

@@ -254,14 +254,14 @@ CLI_ROWS = [
     ("leaderboard-no-selector", "probes.leaderboard", LEADERBOARD + ["--policies"],
      "argument --policies: expected at least one argument"),
     ("leaderboard-budget-below-copy-prompt", "probes.leaderboard", LEADERBOARD + ["--budget", "200", "--tasks", "copy"],
-     "--budget: T=200 cannot hold the protected 213-token prompt plus one slot beside the recent window of r=16; use "
-     "T >= 230"),
+     "--budget: T=200 cannot hold the protected prompt of 213 tokens plus one free slot beside the recent window of 16; "
+     "use T >= 230"),
     ("leaderboard-budget-below-question-prompt", "probes.leaderboard",
      LEADERBOARD + ["--budget", "40", "--buffer", "8", "--tasks", "question"],
-     "--budget: question task: T=40 cannot hold the protected 78-token prompt"),
+     "--budget: question task: T=40 cannot hold the protected prompt of 78 tokens"),
     ("leaderboard-budget-below-passcode-stub", "probes.leaderboard",
      LEADERBOARD + ["--budget", "24", "--buffer", "8", "--tasks", "passcode"],
-     "--budget: passcode task stub: T=24 cannot hold the protected 39-token prompt"),
+     "--budget: passcode task stub: T=24 cannot hold the protected prompt of 39 tokens"),
     ("leaderboard-task-unknown", "probes.leaderboard", LEADERBOARD + ["--tasks", "nope"],
      "argument --tasks: invalid choice"),
     ("leaderboard-stats-unused", "probes.leaderboard", LEADERBOARD + ["--stats", "smollm2-135m"], "--stats: no policy"),

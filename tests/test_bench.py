@@ -129,7 +129,7 @@ def test_memory_runs_each_arm_in_its_own_process(tiny_dir, tmp_path):
     ("equal_memory", ["--policies", "nope"], "--policies: 'nope' is unknown"),
     ("batch_scaling", ["--policies", "triattention"], "--stats FILE"),
     ("replay_speed", ["--traces", "missing.jsonl"], "--traces missing.jsonl: no such file"),
-    ("memory", ["--budget", "40"], "--budget 40 cannot hold the protected 70-token prompt"),
+    ("memory", ["--budget", "40"], "--budget 40 cannot hold the protected prompt of 70 tokens"),
     ("equal_memory", ["--new-tokens", "5"], "raise --new-tokens"),
 ])
 def test_bad_flags_name_the_flag(tiny_dir, script, flags, needle, capsys, tmp_path):

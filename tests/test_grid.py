@@ -130,8 +130,8 @@ def test_example_specs_parse():
     ('policies = ["random", "no_such_module:score"]', "cannot import 'no_such_module'"),
     ('task = "math5000"', "task: must be one of math500, aime"),
     ('models = ["/no/such/model"]', "models: '/no/such/model' is not a directory; give a local directory"),
-    ('budgets = [100]', "budgets: T=100 cannot hold the protected 213-token prompt plus one slot beside the recent "
-                        "window of r=16; use T >= 230"),
+    ('budgets = [100]', "budgets: T=100 cannot hold the protected prompt of 213 tokens plus one free slot beside "
+                        "the recent window of 16; use T >= 230"),
     ('budgets = [0]', "budgets: must be a positive integer, got 0"),
     ('runs = true', "runs: expected an integer, got True"),
     ('protocol = "native"', "protocol: must be one of protected, score-only, matched, grid"),

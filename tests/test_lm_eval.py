@@ -142,7 +142,7 @@ def test_bad_settings_are_refused_before_the_model_loads(args, needle):
 
 def test_a_protected_prompt_too_long_for_the_budget_names_the_fix(tiny):
     lm = _lm(tiny, budget=16, buffer=4, protect_prompt=True)
-    with pytest.raises(ValueError, match=r"budget=16 cannot hold the protected \d+-token context.*protect_prompt=False"):
+    with pytest.raises(ValueError, match=r"budget=16 cannot hold the protected context of \d+ tokens.*protect_prompt=False"):
         _ll(lm, PAIRS[:1])
 
 

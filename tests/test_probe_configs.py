@@ -114,8 +114,8 @@ def test_fits_is_the_core_rule_with_the_probes_flags():
     with pytest.raises(ConfigError) as info:
         config.fits(spec, 32)
     assert info.value.field == "budget"
-    assert info.value.message == ("T=40 cannot hold the protected 32-token prompt plus one free slot beside the recent "
-                                  "window of r=8; use --budget >= 41 or --no-protect-prompt")
+    assert info.value.message == ("T=40 cannot hold the protected prompt of 32 tokens plus one free slot beside the "
+                                  "recent window of 8; use --budget >= 41 or --no-protect-prompt")
     assert spec.validate(32).need == 41
     config.fits(config.spec(protect_prompt=False), 10_000)  # an unprotected prompt competes: it always fits
 
