@@ -145,3 +145,37 @@ def test_probe_seed_check_is_the_cores():
             _check_seed(bad)
         assert "seed " + SEED(bad) == str(err.value)
     assert SEED(0) is None and SEED(2**64 - 1) is None
+
+
+# -- the protection of each policy: one table, the policy's own attribute ---------------------------------------
+#: probes/accuracy.py's GRID_PROTECTION as it shipped (removed): the grid protocol's rows must not change.
+SHIPPED_GRID_PROTECTION = {
+    "random": True, "random-shared": True, "random-block": True, "recency": True, "triattention": True,
+    "random-ppp": True, "snapkv": False, "snapkv-longbench": False, "rkv": False, "rkv-official": False,
+    "vase": False, "h2o": False, "streamingllm": False, "random-pcap": False, "random-pmix": False}
+
+
+def test_grid_protection_is_each_policys_own_attribute_and_unchanged():
+    from probes.accuracy import protocol_arms
+    from probes.policy_specs import grid_protection
+
+    assert set(SHIPPED_GRID_PROTECTION) == set(randattn.known_policies())
+    for name, protect in SHIPPED_GRID_PROTECTION.items():
+        assert grid_protection(name) is protect, name
+        assert [a.protect for a in protocol_arms("grid", [name], [256])] == [protect], name
+    for mode, (_, _, protect) in randattn.PAPER_MODES.items():  # an alias names its own
+        assert grid_protection(mode) is protect
+
+
+def test_grid_protocol_refuses_a_policy_without_a_paper_mode(tmp_path, monkeypatch):
+    from probes import accuracy
+    from probes.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sel.py").write_text("import torch\ndef score(view):\n    return torch.zeros(view.shape)\n")
+    with pytest.raises(ConfigError, match="--protocol: --protocol grid runs each policy in the paper grid's mode, and "
+                                          "'sel.py:score' declares none"):
+        accuracy.Config(policy=("full", "random", "sel.py:score"), protocol="grid", task="copy")
+    with pytest.raises(ConfigError, match="declares none"):  # never defaulted at the arms either
+        accuracy.protocol_arms("grid", ["sel.py:score"], [256])
+    assert accuracy.Config(policy=("random", "sel.py:score"), protocol="protected", task="copy")  # other protocols run
