@@ -17,7 +17,6 @@ import torch
 
 import randattn
 from randattn.rules import prompt_fits_problem
-from probes.common import result_file
 from probes.config import (DEFAULT, POSITIVE, ConfigError, EvictionConfig, build, eviction, option, parse_values,
                            parser_for)
 from probes.policy_specs import bind_policies, calibration_options
@@ -29,9 +28,32 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Solve step by step: a train travels 180 km in 2.5 hours, then 120 km in 1.5 hours. What is its average speed?"
 
 
+def result_file(text: str) -> str:
+    """An argparse type for a JSON result file a command (re)writes whole: refused when it is a folder, lies under a
+    file, or is a file randattn did not write (a JSON object with ``rows``), so no user file is ever overwritten.
+    (Moved here from ``probes.common``, which dropped it: the benchmarks are its only users.)"""
+    import json
+
+    path = Path(text)
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{parent} is a file, so {text} cannot be created; give a path in a folder")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the JSON file to write, e.g. {path / 'result.json'}")
+    if path.exists():
+        try:
+            ours = isinstance(obj := json.loads(path.read_text()), dict) and "rows" in obj
+        except (ValueError, UnicodeDecodeError, OSError):
+            ours = False
+        if not ours:
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a result file randattn wrote; nothing was "
+                                             "changed. Give a new file name")
+    return text
+
+
 def _result_file(value) -> Optional[str]:
-    """The check of a benchmark's ``--out`` (:func:`probes.common.result_file`): a JSON result file the command
-    (re)writes whole; None when it may."""
+    """The check of a benchmark's ``--out`` (:func:`result_file`): a JSON result file the command (re)writes whole;
+    None when it may."""
     try:
         result_file(value)
     except argparse.ArgumentTypeError as exc:

@@ -310,7 +310,7 @@ def file_values(cls, parser: argparse.ArgumentParser, path: str) -> dict:
         for key, value in values.items():  # a value of the wrong type, named with its file and line
             problem = _type_problem(value, hints[key])
             if problem:
-                raise SettingError(key, f"{key}: {problem}; the accepted keys are {', '.join(names)}",
+                raise SettingError(key, f"{flag_of(key)}: {problem}; the accepted keys are {', '.join(names)}",
                                    where=f"{CONFIG_FLAG}: {path}:{lines[key]}" if key in lines else
                                    f"{CONFIG_FLAG}: {path}", key=key, accepted=names)
     except SettingError as exc:
@@ -323,6 +323,12 @@ def _type_problem(value, tp) -> Optional[str]:
     if value is None:
         return None
     kind, several = _base_type(tp), _is_sequence(tp)
+    if isinstance(value, str) and not several and kind in (int, float):
+        try:  # a string is read as the flag's text would be (argparse converts a string default): threads = '2'
+            _argtype(kind)(value)
+        except argparse.ArgumentTypeError as exc:
+            return str(exc)
+        return None
     if several and not isinstance(value, list):
         value = [value]
     if isinstance(value, list) and not several:

@@ -51,7 +51,7 @@ PLANTED = {  # files the user owns in the scratch folder (the working directory 
     "sub/thesis.tex": b"\\documentclass{article}\n",
     "figs/head_pooling.png": b"\x89PNG my own plot, not randattn's\n",
     "config_alias.toml": b"K = 64\n",  # the settings reader's bad inputs (issue 35)
-    "config_type.toml": b'budget = "128"\n',
+    "config_type.toml": b'budget = "12x"\n',
     "grid_alias.toml": b'probe = "accuracy"\nK = [64]\n',
 }
 
@@ -399,7 +399,7 @@ CLI_ROWS = [
     ("passcode-config-alias-K", "probes.passcode", ["--config", "{S}/config_alias.toml"],
      "config_alias.toml:1: K: not a key here; did you mean budget?"),
     ("passcode-config-budget-string", "probes.passcode", ["--config", "{S}/config_type.toml"],
-     "config_type.toml:1: budget: must be an integer, got '128' (str); the accepted keys are"),
+     "config_type.toml:1: --budget: expected an integer, got '12x'; the accepted keys are"),
     ("grid-alias-K", "probes.grid", ["{S}/grid_alias.toml"], "grid_alias.toml:2: K: not a key here; did you mean budget?"),
 ]
 # Planted-fact rows without their own flag set take PLANTED_ARGS (their flags come last and win).

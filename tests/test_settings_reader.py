@@ -106,8 +106,10 @@ def test_grid_toml_names_the_file_and_line(tmp_path, line, message):
     ("budget = 64\nK = 3\n", "a.toml:2: K: not a key here; did you mean budget?"),
     ("bufer = 3\n", "a.toml:1: unknown keys ['bufer']: it sets bufer, which this command does not take; bufer: "
                     "did you mean buffer?"),
-    ('budget = "128"\n', "a.toml:1: budget: must be an integer, got '128' (str)"),
-    ("buffer = true\n", "a.toml:1: buffer: must be an integer, got True (bool)"),
+    ('budget = "12x"\n', "a.toml:1: --budget: expected an integer, got '12x'"),  # a string: read as the flag's text
+    ("buffer = true\n", "a.toml:1: --buffer: must be an integer, got True (bool)"),
+    ("buffer = [8, 16]\n", "a.toml:1: --buffer: takes one value, got the list [8, 16]"),
+    ('policies = ["random", 3]\n', "a.toml:1: --policies: must be a string, got 3 (int)"),
 ])
 def test_probe_config_file(tmp_path, monkeypatch, capsys, text, message):
     from probes import passcode
