@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .. import rounds
-from ..spec import EvictionSpec, SettingError, read_settings
+from ..spec import SPEC_KEYS, EvictionSpec, SettingError, read_settings
 
 __all__ = ["EngineConfig", "read_config", "parse_config", "max_held_pairs", "held_pairs", "round_lengths",
            "next_round_length", "SECTION"]
@@ -44,7 +44,8 @@ __all__ = ["EngineConfig", "read_config", "parse_config", "max_held_pairs", "hel
 #: The key of ``additional_config`` the plugin reads.
 SECTION = "randattn"
 
-_SPEC_KEYS = ("policy", "budget", "buffer", "recent", "protect_prompt", "seed", "options")
+#: The spec's keys (randattn.spec.SPEC_KEYS), less ``stats``: the plugin takes no calibration statistics file.
+_SPEC_KEYS = tuple(k for k in SPEC_KEYS if k != "stats")
 _PLUGIN_KEYS = ("keep_log_dir",)
 
 
