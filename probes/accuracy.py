@@ -59,7 +59,7 @@ from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
-from randattn.seeding import batch_seed
+from randattn import seeding
 
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
 
@@ -268,7 +268,7 @@ def rows_of(gen: list[list[int]], *, prompt_lens: list[int], cache, tok, stop: s
 
 def batch_seed(seed: int, run: int, first_problem: int) -> int:
     """The eviction (and sampling) seed of one batch: differs per run and per batch."""
-    return batch_seed(seed, run * 10_007 + first_problem)
+    return seeding.batch_seed(seed, run * 10_007 + first_problem)  # the core's (this function shadows its name)
 
 
 def runs_for(arm: Arm, runs: int, temperature: float) -> int:

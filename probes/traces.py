@@ -166,12 +166,12 @@ def run(config: Config) -> int:
         tok.pad_token = tok.eos_token
     bar = tqdm(total=args.tokens, initial=min(tokens, args.tokens), unit="tok", desc=f"traces -> {out}")
     while tokens < args.tokens:
-        batch_seed = batch_seed(args.seed, rows)  # resumable: problem i depends only on (seed, i)
-        problems = [make_problem(random.Random(batch_seed + i)) for i in range(args.batch)]
+        base = batch_seed(args.seed, rows)  # resumable: problem i depends only on (seed, i)
+        problems = [make_problem(random.Random(base + i)) for i in range(args.batch)]
         prompts = [tok.apply_chat_template([{"role": "user", "content": pr["question"]}], add_generation_prompt=True,
                                            tokenize=False) for pr in problems]
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        torch.manual_seed(batch_seed)
+        torch.manual_seed(base)
         with torch.no_grad():
             gen = model.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
                                  max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id)
