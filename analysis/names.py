@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .registry import COPY_RUN, EMBEDDED, PROBES
+
 __all__ = ["result_name", "shipped_name", "summary_beside", "policy_slug", "protection_tag", "PARTS", "SHIPPED"]
 
 
@@ -155,10 +157,9 @@ def _leaderboard(c: _Fields) -> str:
 
 
 _PLANTED = {"rows": _planted, "summary": _planted_summary}
-#: probe -> {part: name function}: every file name a probe composes from its configuration.
-PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
-    "planted": _PLANTED,  # probes.planted_run's rows, whichever probe plants (the probes below, and new ones)
-    "head_pooling": _PLANTED, "scatter": _PLANTED, "two_facts": _PLANTED,
+#: file-name family -> {part: name function}; a registered probe names its family (``Probe.files``, default its name).
+FAMILIES: dict[str, dict[str, Callable[[_Fields], str]]] = {
+    "planted": _PLANTED,  # probes.planted_run's rows, whichever probe plants (head pooling, scatter, ..., new ones)
     "blocks": {"rows": _planted, "summary": _blocks_summary, "nll": _nll},
     "shared_draw": {"rows": _planted, "summary": _shared_draw_summary, "nll": _nll},
     "passcode": {"rows": _planted, "summary": _passcode_summary, "group": _passcode_group},
@@ -169,6 +170,14 @@ PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
     "autopsy": {"rows": _autopsy, "summary": _autopsy_summary},
     "challenge": {"folder": _challenge},
     "leaderboard": {"folder": _leaderboard, "table": lambda c: f"{_leaderboard(c)}/leaderboard.csv"},
+}
+#: probe -> {part: name function}: every file name a probe composes from its configuration (the registered probes'
+#: from :data:`analysis.registry.PROBES`, then what is no kind: the planted rows, the challenge, the leaderboard's
+#: own task files).
+PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
+    "planted": _PLANTED,
+    **{p.name: FAMILIES[p.files or p.name] for p in PROBES if (p.files or p.name) in FAMILIES},
+    "challenge": FAMILIES["challenge"],
     # the leaderboard's own task files, inside its folder (copy and repeat are the accuracy probe's files)
     **{f"leaderboard_{task}": {"rows": lambda c, task=task: f"{task}.jsonl"}
        for task in ("question", "passcode", "planted", "cost")},
@@ -187,27 +196,14 @@ def result_name(probe: str, config: Any = None, part: str = "rows", **fields: An
     return parts[part](_Fields(config, fields))
 
 
-_EMBEDDED = {"model": "smollm2-135m", "budget": 256, "buffer": 16, "seed": 0}
-_PLANTED_RUN = {**_EMBEDDED, "policy": "random", "policy_options": {}, "distance": 384, "protect_prompt": False}
-_COPY = {**_EMBEDDED, "task": "copy", "max_new_tokens": 192, "temperature": 0.0, "top_p": 1.0}
-#: name -> (folder under data/results, probe, recorded configuration): the results shipped with the package.
+#: name -> (folder under data/results, probe, recorded configuration): the results shipped with the package (each
+#: registered probe's, :data:`analysis.registry.PROBES`, then the other runs the docs report).
 SHIPPED: dict[str, tuple[str, str, dict]] = {
-    "head_pooling": ("head_pooling", "head_pooling", _PLANTED_RUN),
-    "scatter": ("scatter", "scatter", _PLANTED_RUN),
-    "two_facts": ("two_facts", "two_facts", _PLANTED_RUN),
-    "blocks": ("blocks", "blocks", {**_PLANTED_RUN, "policy": "random-block", "policy_options": {"block": 1},
-                                    "length": 1024}),
-    "shared_draw": ("shared_draw", "shared_draw", {**_PLANTED_RUN, "length": 1024}),
-    "passcode": ("passcode", "passcode", {**_PLANTED_RUN, "distance": 917, "rounds": 57, "protect_prompt": True}),
-    "prompt_protection": ("prompt_protection", "prompt_protection", {**_EMBEDDED, "body": 512}),
-    "survival": ("survival", "survival", {**_EMBEDDED, "rounds": 24, "sequences": 4, "batch": 4}),
-    "accuracy": ("accuracy", "accuracy", _COPY),
-    "accuracy_repeat": ("accuracy", "accuracy", {**_COPY, "task": "repeat", "buffer": 8, "max_new_tokens": 1664}),
-    "accuracy_prompt_budget": ("accuracy_prompt_budget", "accuracy", _COPY),
-    "autopsy": ("autopsy", "autopsy", {**_EMBEDDED, "task": "copy", "policy": "snapkv", "protect_prompt": True}),
-    "challenge": ("challenge", "challenge", {**_EMBEDDED, "policy": "examples/attention_selector.py:recent_attention",
+    **{p.name: (p.name, p.name, p.shipped) for p in PROBES if p.shipped is not None},
+    "accuracy_repeat": ("accuracy", "accuracy", {**COPY_RUN, "task": "repeat", "buffer": 8, "max_new_tokens": 1664}),
+    "accuracy_prompt_budget": ("accuracy_prompt_budget", "accuracy", COPY_RUN),
+    "challenge": ("challenge", "challenge", {**EMBEDDED, "policy": "examples/attention_selector.py:recent_attention",
                                              "protect_prompt": True, "quick": True}),
-    "leaderboard": ("leaderboard", "leaderboard", {**_EMBEDDED, "protect_prompt": True}),
 }
 
 

@@ -19,33 +19,21 @@ from pathlib import Path
 
 from analysis.files import DiskFull, NotOurs, check_ours
 from analysis.names import shipped_name
+from analysis.registry import PROBES
 from analysis.rows import read_json, read_rows, read_table
 from analysis.shipped import shipped_result
 
-# figure name -> (module:function, how its input is read, the result it draws by default, the command that makes it)
+_READERS = {"rows": read_rows}  # what a figure reads, by the part of the shipped run it draws (else a table)
+# figure name -> (module:function, how its input is read, the result it draws by default, the command that makes it):
+# each registered probe's (analysis.registry: figures/<name>.py:plot, drawing its shipped run's part), then the rest.
 FIGURES = {
-    "head_pooling": ("figures.head_pooling:plot", read_rows, shipped_name("head_pooling"),
-                     "python -m probes.head_pooling"),
-    "scatter": ("figures.scatter:plot", read_rows, shipped_name("scatter"), "python -m probes.scatter"),
-    "two_facts": ("figures.two_facts:plot", read_rows, shipped_name("two_facts"), "python -m probes.two_facts"),
-    "blocks": ("figures.blocks:plot", read_table, shipped_name("blocks", "summary"), "python -m probes.blocks"),
-    "passcode": ("figures.passcode:plot", read_table, shipped_name("passcode", "summary"), "python -m probes.passcode"),
-    "survival": ("figures.survival:plot", read_rows, shipped_name("survival"), "python -m probes.survival"),
-    "prompt_protection": ("figures.prompt_protection:plot", read_table, shipped_name("prompt_protection", "summary"),
-                          "python -m probes.prompt_protection"),
-    "shared_draw": ("figures.shared_draw:plot", read_table, shipped_name("shared_draw", "summary"),
-                    "python -m probes.shared_draw"),
-    "accuracy": ("figures.accuracy:plot", read_rows, shipped_name("accuracy"), "python -m probes.accuracy"),
+    **{p.name: (f"figures.{p.name}:plot", _READERS.get(p.figure, read_table), shipped_name(p.name, p.figure),
+                p.run_command) for p in PROBES if p.figure},
     "accuracy_repeat": ("figures.accuracy:plot", read_rows, shipped_name("accuracy_repeat"),
                         "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
                         "triattention vase --runs 1"),
     "challenge": ("figures.challenge:plot", read_table, shipped_name("challenge", "folder") + "/verdict.csv",
                   "python -m probes.challenge --policy examples/attention_selector.py:recent_attention --quick"),
-    "leaderboard": ("figures.leaderboard:plot", read_table, shipped_name("leaderboard", "table"),
-                    "python -m probes.leaderboard --runs 3 --tasks copy question passcode cost --instances 8 "
-                    "--cost-repeats 1"),
-    "autopsy": ("figures.autopsy:plot", read_rows, shipped_name("autopsy"),
-                "python -m probes.autopsy --task copy --policy random snapkv --max-replays 8"),
     "bench_decode": ("figures.bench:plot_decode", read_json, "bench/decode.json", "python -m bench.decode"),
     "bench_round_cost": ("figures.bench:plot_round_cost", read_json, "bench/round_cost.json",
                          "python -m bench.round_cost"),

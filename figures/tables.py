@@ -20,6 +20,7 @@ from typing import Callable
 
 from analysis.files import replacing
 from analysis.names import shipped_name
+from analysis.registry import PROBES
 
 from figures.table_io import (bench_footer, ci, f, footer, markdown, provenance, read_csv, read_json, read_jsonl,
                               result_path)
@@ -549,16 +550,16 @@ def bench_vllm() -> list[str]:
     return table()
 
 
+# Each registered probe's table (analysis.registry: the function of its name here), then the rest.
 TABLES: dict[str, Callable[[], list[str]]] = {
-    "head_pooling": head_pooling, "scatter": scatter, "two_facts": two_facts, "blocks": blocks,
-    "shared_draw": shared_draw, "passcode": passcode, "prompt_protection": prompt_protection, "survival": survival,
-    "survival_random": survival_random, "accuracy": accuracy, "challenge": challenge, "before_after": before_after,
-    "autopsy": autopsy, "prompt_budget": prompt_budget, "bench_decode": bench_decode,
+    **{p.name: globals()[p.name] for p in PROBES if p.table},
+    "survival_random": survival_random, "challenge": challenge, "before_after": before_after,
+    "prompt_budget": prompt_budget, "bench_decode": bench_decode,
     "bench_round_cost": bench_round_cost, "bench_aims": bench_aims,
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
-    "bench_pack": bench_pack, "leaderboard": leaderboard, "bench_vllm": bench_vllm,
+    "bench_pack": bench_pack, "bench_vllm": bench_vllm,
 }
 
 

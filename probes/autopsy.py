@@ -56,11 +56,11 @@ from analysis.names import result_name
 
 from . import cli
 from .config import NONNEGATIVE, POSITIVE, SETTINGS, ConfigError, EvictionConfig, eviction, option, setting
-from .planted_run import load, write_csv
+from .planted_run import write_csv
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, protection_tag, run_record, trace_label
 from .tasks import COPY_N, copy_problem, grade_copy, problem_ids, chat_ids
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, open_files, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit
 
 TASK_NAMES = ("copy", "recall")
 PROTECTIONS = ("native", "protected", "score-only")
@@ -608,18 +608,13 @@ def merge(p: Plan, rows: dict, figures: bool) -> list:
     return [rf.path for rf in files] + [summary_path(files[0].path.parent, files[0].config["model"], config)]
 
 
-def run(config: Config, model=None, tokenizer=None) -> list[ResultsFile]:
-    """Every problem under every policy (rows resumed per problem), the local backend over :func:`plan`'s units;
-    returns the results files."""
-    model, tok = load(config, None if model is None else (model, tokenizer))
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
-    files = open_files(p, restart=config.restart)
+def start(p: Plan, files: dict) -> None:
+    """The command line's description of the run: the model, the problems, the policies, the autopsies to run."""
+    config = p.config
     pending = sum(u.pending(files[u.output].done, KEY) is not None for u in p.units)
     print(f"model {p.outputs[0].config['model']} | {config.kind}: {p.meta['cases']} problem(s) | T={config.budget}, "
           f"r={config.buffer} | policies " + ", ".join(f"{s} ({protection_tag(config.protect(s))})" for s in config.policy)
           + f" | {pending} autopsies to run")
-    files = run_local(p, model, tok, desc="autopsy", files=files)
-    return [files[o.path] for o in p.outputs]
 
 
 def _task_options(config: Config, spec: str) -> dict:
@@ -663,11 +658,12 @@ def _wanted(config: Config) -> list[str]:
     return [f"{config.task}-{i}" for i in config.indices()]
 
 
+KIND = Kind("autopsy", Config, plan, run_unit, merge, start=start)
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(c, run(c)), argv, __doc__)
-
-
-KIND = Kind("autopsy", Config, plan, run_unit, merge)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ from analysis.planted import nll_deltas, summarize
 from . import cli
 from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import (PlantedConfig, Session, condition_units, describe, run_conditions, run_unit,
-                          KEY, session_rows, setup, write_csv)
+from .planted_run import (KEY, PlantedConfig, Session, check_traces, condition_units, describe, run_unit,
+                          session_rows, setup, write_csv)
 from .results import ResultsFile
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit
 from randattn.seeding import batch_seed
 
 
@@ -54,7 +54,8 @@ def nll_sequences(builder, n: int, length: int, seed: int) -> list[list[int]]:
 NLL_KEY = ("sequence", "arm")
 
 
-def nll_units(s, arms: dict, n: int, length: int, out: Path) -> tuple[Output, list[Unit]]:
+def nll_units(s, arms: dict, n: int, length: int, out: Path,
+              stage: str = "next-token loss") -> tuple[Output, list[Unit]]:
     """The next-token-loss part as units: one per (arm, batch of sequences), ``arms`` being ``{label:
     spec_of(batch_index)}`` (an :class:`~randattn.EvictionSpec` per batch; full attention: ``EvictionSpec.full()``)."""
     a = s.config
@@ -70,7 +71,7 @@ def nll_units(s, arms: dict, n: int, length: int, out: Path) -> tuple[Output, li
             work = {"ids": [seqs[i] for i in idx], "idx": idx, "arm": arm, "spec": spec_of(bi), "length": length,
                     "prompt_len": len(s.builder.stub), "score_from": a.budget + a.buffer}
             todo.append(make_unit("nll", config["model"], output, {"arm": arm}, [{"sequence": i} for i in idx], work,
-                                  salt=[a.seed, bi], label=f"next-token loss {arm} from {bi}"))
+                                  salt=[a.seed, bi], label=f"next-token loss {arm} from {bi}", stage=stage))
     return output, todo
 
 
@@ -89,15 +90,6 @@ def run_nll_unit(model, tok, unit: Unit):
 
 #: The runner of the next-token-loss units (blocks, shared draw).
 NLL = Kind("nll", PlantedConfig, None, run_nll_unit, None)
-
-
-def run_nll(s, arms: dict, n: int, length: int, out: Path, desc: str = "next-token loss") -> list[dict]:
-    """Mean next-token NLL per sequence under each arm (``{label: spec_of(batch_index)}``), here and resumably (the
-    local backend over :func:`nll_units`); the rows of the file."""
-    output, todo = nll_units(s, arms, n, length, out)
-    rf = ResultsFile(out, output.config, NLL_KEY, restart=s.config.restart)
-    run_local(Plan("nll", s.config, [], todo), s.model, s.tok, desc=desc, files={output.path: rf})
-    return rf.rows
 
 
 def full_attention(length: int):
@@ -148,10 +140,11 @@ def plan(config: Config, model: ModelInfo) -> Plan:
         s = sessions[b] = setup("blocks", config, policy_options={"block": b}, loaded=loaded, open_results=False)
         if not config.skip_planted:
             outputs.append(s.results)
-            todo += condition_units(s, conditions(s))
+            todo += condition_units(s, conditions(s), stage=f"blocks: planted fact, block {b}")
     nll = None
     if not config.skip_nll:
-        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, nll_path(s))
+        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, nll_path(s),
+                               stage="blocks: next-token loss")
         outputs.append(nll)
         todo += units
     return Plan("blocks", config, outputs, todo, meta={"sessions": sessions, "nll": nll and nll.path})
@@ -171,22 +164,9 @@ def merge(p: Plan, rows: dict, figures: bool) -> list:
                                                                                              "summary", model=model)]
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict]]:
-    """Planted rows per block size (``{block: rows}``) and the next-token-loss rows; resumable."""
-    loaded = None if model is None else (model, tokenizer)
-    planted = {}
-    s = None
-    for b in config.blocks:
-        s = setup("blocks", config, policy_options={"block": b}, loaded=loaded)
-        loaded = (s.model, s.tok)
-        if b == config.blocks[0]:
-            print(describe(s))
-        if not config.skip_planted:
-            planted[b] = run_conditions(s, conditions(s), desc=f"blocks: planted fact, block {b}")
-    nll = []
-    if not config.skip_nll:
-        nll = run_nll(s, nll_arms(config), config.sequences, config.length, nll_path(s), desc="blocks: next-token loss")
-    return s, planted, nll
+def start(p: Plan, files: dict) -> None:
+    """The command line's description of the run (the first block size's session)."""
+    print(describe(next(iter(p.meta["sessions"].values()))))
 
 
 def nll_path(s: Session) -> Path:
@@ -229,11 +209,13 @@ def report(s: Session, planted: dict, nll: list[dict]) -> None:
         cli.draw("blocks", path, a.figure_dir)
 
 
+KIND = Kind("blocks", Config, plan, run_unit, merge, check=check_traces, start=start)
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("blocks", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 from analysis.planted import endpoint_check, pooling_findings, subset_label, summarize
 
-from . import cli
 from .planted import Condition, subsets
-from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
-                          session_merge, session_plan, session_rows, setup)
-from .units import Kind, ModelInfo, Plan
+from .planted_run import (PlantedConfig, Session, check_traces, finish, print_table, run_unit, session_merge,
+                          session_plan, session_rows, setup, starter)
+from .units import Kind, ModelInfo, Plan, command
 
 
 def pooling_conditions(n_heads: int, width: int, *, max_all_subsets: int = 8) -> list[Condition]:
@@ -57,32 +56,18 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     s = setup("head_pooling", config, loaded=(model.bind_target, model.tokenizer), open_results=False)
     conds = pooling_conditions(s.n_heads, config.box_width)
     if s.n_heads <= 8:
-        return session_plan(s, conds)
+        return session_plan(s, conds, stage="head pooling")
 
     def chain(rows: dict) -> Plan:
         summaries = summarize(session_rows(s, conds, rows[str(s.results.path)]), [c.name for c in conds],
                               seed=config.seed)
         singles = sorted(range(s.n_heads), key=lambda h: -summaries[subset_label((h,), s.n_heads)].recall.value)
         more = chain_conditions(singles, s.n_heads, config.box_width)
-        p = session_plan(s, more)
+        p = session_plan(s, more, stage="best-k chain")
         p.meta["conditions"] = conds + more
         return p
 
-    return session_plan(s, conds, then=chain)
-
-
-def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
-    """Every head subset (and the best-k chain on models with more than 8 KV heads), resumable; ``(session, rows)``."""
-    s = setup("head_pooling", config, loaded=None if model is None else (model, tokenizer))
-    print(describe(s))
-    conds = pooling_conditions(s.n_heads, config.box_width)
-    parity_check(s, conds[1], config.parity)
-    rows = run_conditions(s, conds, desc="head pooling")
-    if s.n_heads > 8:
-        summaries = summarize(rows, [c.name for c in conds], seed=config.seed)
-        singles = sorted(range(s.n_heads), key=lambda h: -summaries[subset_label((h,), s.n_heads)].recall.value)
-        rows = rows + run_conditions(s, chain_conditions(singles, s.n_heads, config.box_width), desc="best-k chain")
-    return s, rows
+    return session_plan(s, conds, then=chain, stage="head pooling")
 
 
 def report(s: Session, rows: list[dict]) -> None:
@@ -98,11 +83,14 @@ def report(s: Session, rows: list[dict]) -> None:
     finish(s, [x.as_row() for x in summaries.values()], "head_pooling")
 
 
+KIND = Kind("head_pooling", Config, plan, run_unit, session_merge(report), check=check_traces,
+            start=starter(parity=lambda conds: conds[1]))
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("head_pooling", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -96,7 +96,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
             groups += [(s, [Condition.heads("kept", range(s.n_heads), s.builder.box_width)]),
                        (dataclasses.replace(s, no_eviction=True), [Condition.policy("full")])]
         for session, conditions in groups:
-            todo += condition_units(session, conditions)
+            todo += condition_units(session, conditions, stage="passcode")
     summary = Path(outputs[0].path).parent / summary_name(config, model.name)
     return Plan("passcode", config, outputs, todo, meta={"sessions": sessions, "summary": str(summary)})
 

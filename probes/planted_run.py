@@ -78,10 +78,6 @@ class Session:
     no_eviction: bool = False  # full attention through the same code path (a budget no round reaches)
 
     @property
-    def args(self) -> PlantedConfig:  # the instrument's code reads the configuration as ``s.args``
-        return self.config
-
-    @property
     def policy_options(self) -> dict:
         return self.spec.cache_options if self.spec is not None else {}
 
@@ -91,6 +87,27 @@ class Session:
         # Every batch draws its own evictions; rows of one batch differ through their row index.
         return dataclasses.replace(self.spec, seed=batch_seed(self.config.seed, batch_index)).make_cache(
             keep_log=keep_log)
+
+
+def check_traces(config: PlantedConfig) -> None:
+    """The traces file's refusal (a :class:`ConfigError` naming ``traces``), before a command line loads the model
+    (``Kind.check``); :func:`setup` reads them again."""
+    try:
+        load_traces(Path(config.traces) if config.traces else DEFAULT_TRACES)
+    except (FileNotFoundError, ValueError, IsADirectoryError) as exc:
+        raise ConfigError("traces", str(exc)) from None
+
+
+def starter(parity: Optional[Callable[[Sequence[Condition]], Condition]] = None) -> Callable[[Plan, dict], None]:
+    """A planted-fact kind's ``Kind.start``: print the run's description, then (``parity``: which of the plan's
+    conditions) check chunked replay against token-by-token decoding on ``--parity`` instances."""
+    def start(p: Plan, files: dict) -> None:
+        s = p.meta["session"]
+        print(describe(s))
+        if parity is not None:
+            parity_check(s, parity(p.meta["conditions"]), s.config.parity)
+
+    return start
 
 
 def setup(probe: str, config: PlantedConfig, *, n_facts: int = 1, extra_config: Optional[dict] = None,
@@ -166,7 +183,7 @@ def describe(s: Session) -> str:
 
 
 # -- the loop ------------------------------------------------------------------------------------
-def condition_units(s: Session, conditions: Sequence[Condition]) -> list[Unit]:
+def condition_units(s: Session, conditions: Sequence[Condition], stage: str = "") -> list[Unit]:
     """``run_conditions``' batches as units: one per batch of ``--batch`` instances (its evictions seeded by the batch
     index), one part per condition (the text before the box replayed once and forked); the instances are built
     here, so a worker needs only the model. The first batch audits its keep-logs."""
@@ -183,7 +200,7 @@ def condition_units(s: Session, conditions: Sequence[Condition]) -> list[Unit]:
                 "length": s.builder.length, "n_facts": s.builder.n_facts}
         out.append(make_unit("planted", s.results.config["model"], output, {}, [{"instance": i} for i in idx], work,
                              parts=[{"condition": n} for n in names], fanout={"fact": list(range(s.builder.n_facts))},
-                             salt=[work["seed"], s.no_eviction], label=f"{s.probe} batch {bi}"))
+                             salt=[work["seed"], s.no_eviction], label=f"{s.probe} batch {bi}", stage=stage))
     return out
 
 
@@ -229,10 +246,11 @@ def session_rows(s: Session, conditions: Sequence[Condition], rows: Optional[lis
     return [r for r in (s.results.rows if rows is None else rows) if (r["instance"], r["condition"]) in wanted]
 
 
-def session_plan(s: Session, conditions: Sequence[Condition], *, then=None) -> Plan:
+def session_plan(s: Session, conditions: Sequence[Condition], *, then=None, stage: str = "") -> Plan:
     """A planted-fact probe's plan: its session's file, the batches under ``conditions`` (``then``: a further
-    stage from ``{path: rows}``). ``s`` comes from ``setup(..., open_results=False)``."""
-    return Plan(s.probe, s.config, [s.results], condition_units(s, conditions), then=then,
+    stage from ``{path: rows}``; ``stage``: the progress bar's label). ``s`` comes from ``setup(...,
+    open_results=False)``."""
+    return Plan(s.probe, s.config, [s.results], condition_units(s, conditions, stage), then=then,
                 meta={"session": s, "conditions": list(conditions)})
 
 

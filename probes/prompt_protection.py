@@ -33,9 +33,9 @@ from analysis.prompt_protection import summarize
 
 from . import cli
 from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option
-from .planted_run import load, write_csv
+from .planted_run import write_csv
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit
 from randattn.seeding import batch_seed
 
 RESTATE = "\n\nLet me restate the question: "
@@ -186,7 +186,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
                     "digit": tasks.digit}
             todo.append(make_unit("prompt_protection", model_name, output, {"policy": policy, "protect": protect},
                                   [{"instance": i} for i in idx], work, salt=seed,
-                                  label=f"{policy} protect={protect} from {idx[0]}"))
+                                  label=f"{policy} protect={protect} from {idx[0]}", stage="prompt protection"))
     return Plan("prompt_protection", config, [output], todo, meta={"describe": describe})
 
 
@@ -208,15 +208,9 @@ def merge(p: Plan, rows: dict, figures: bool) -> list:
     return [rf.path, rf.path.with_suffix(".summary.csv")]
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict]]:
-    """Every policy score-only and protected (plus full attention) on the same instances; resumable (the local
-    backend over :func:`plan`'s units)."""
-    _traces(config)  # refused before the model loads
-    model, tok = load(config, None if model is None else (model, tokenizer))
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+def start(p: Plan, files: dict) -> None:
+    """The command line's description of the run, before its first unit."""
     print(p.meta["describe"])
-    (rf,) = run_local(p, model, tok, restart=config.restart, desc="prompt protection").values()
-    return rf, rf.rows
 
 
 def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
@@ -239,11 +233,13 @@ def report(config: Config, rf: ResultsFile, rows: list[dict]) -> None:
         cli.draw("prompt_protection", summary, config.figure_dir)
 
 
+KIND = Kind("prompt_protection", Config, plan, run_unit, merge, check=_traces, start=start)
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("prompt_protection", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
+from analysis import registry
 from analysis.files import DiskFull, NotOurs, disk_full, table_header, why_not_ours
 from analysis.names import protection_tag  # noqa: F401 (the spelling in result names; re-exported)
 from analysis.rows import BadRow, check_row
@@ -385,7 +386,7 @@ def planted_conditions(probe: str, kv_heads: int, box_width: int) -> "Optional[t
             names = [c.name for c in probe_module("head_pooling").pooling_conditions(kv_heads, box_width)]
             if kv_heads > 8:  # the best-k chain, planned from the single heads' rows: k = 3 .. H-1 heads
                 extra = _best_k(kv_heads)
-        elif probe in ("scatter", "two_facts", "blocks", "shared_draw"):
+        elif getattr(registry.probe(probe), "planted", False):  # its module's conditions(session)
             names = [c.name for c in probe_module(probe).conditions(session)]
         elif probe == "passcode":
             names = ["policy", "kept", "full"]  # probes.passcode.plan: the policy's, and Random's two references

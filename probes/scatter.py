@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 from analysis.planted import endpoint_check, rotating_pairs, scatter_compare, summarize
 
-from . import cli
 from .config import ConfigError
 from .planted import Condition
-from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
-                          session_merge, session_plan, setup)
-from .units import Kind, ModelInfo, Plan
+from .planted_run import (PlantedConfig, Session, check_traces, finish, print_table, run_unit, session_merge,
+                          session_plan, setup, starter)
+from .units import Kind, ModelInfo, Plan, command
 
 
 def scatter_conditions(n_heads: int, width: int) -> list[Condition]:
@@ -57,15 +56,7 @@ def conditions(s: Session) -> list[Condition]:
 
 def plan(config: Config, model: ModelInfo) -> Plan:
     s = setup("scatter", config, loaded=(model.bind_target, model.tokenizer), open_results=False)
-    return session_plan(s, conditions(s))
-
-
-def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
-    s = setup("scatter", config, loaded=None if model is None else (model, tokenizer))
-    print(describe(s))
-    conds = conditions(s)
-    parity_check(s, conds[3], config.parity)
-    return s, run_conditions(s, conds, desc="scatter")
+    return session_plan(s, conditions(s), stage="scatter")
 
 
 def report(s: Session, rows: list[dict]) -> None:
@@ -92,11 +83,14 @@ def report(s: Session, rows: list[dict]) -> None:
     finish(s, table, "scatter")
 
 
+KIND = Kind("scatter", Config, plan, run_unit, session_merge(report), check=check_traces,
+            start=starter(parity=lambda conds: conds[3]))
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("scatter", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,13 +29,13 @@ from analysis.planted import nll_deltas, passcode_compare, summarize
 from randattn.stats import mean_ci
 
 from . import cli, passcode
-from .blocks import full_attention, nll_units, run_nll
+from .blocks import full_attention, nll_units
 from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import (KEY, PlantedConfig, Session, condition_units, describe, run_conditions, run_unit,
+from .planted_run import (KEY, PlantedConfig, Session, check_traces, condition_units, describe, run_unit,
                           session_rows, setup, write_csv)
 from .results import ResultsFile, out_folder
-from .units import Kind, ModelInfo, Plan
+from .units import Kind, ModelInfo, Plan, command
 from randattn.seeding import batch_seed
 
 POLICIES = ("random", "random-shared")
@@ -94,11 +94,11 @@ def plan(config: Config, model: ModelInfo) -> Plan:
         s = sessions[policy] = setup("shared_draw", config.replace(policy=policy), loaded=loaded, open_results=False)
         if not config.skip_planted:
             outputs.append(s.results)
-            todo += condition_units(s, conditions(s))
+            todo += condition_units(s, conditions(s), stage=f"planted fact: {policy}")
     meta = {"sessions": sessions, "nll": None, "passcode": None}
     if not config.skip_nll:
         out = Path(s.results.path).parent / result_name("shared_draw", config, "nll", model=s.results.config["model"])
-        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, out)
+        nll, units = nll_units(s, nll_arms(config), config.sequences, config.length, out, stage="next-token loss")
         outputs.append(nll)
         todo += units
         meta["nll"] = nll.path
@@ -125,26 +125,9 @@ def merge(p: Plan, rows: dict, figures: bool) -> list:
         "shared_draw", config, "summary", model=model)]
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[Session, dict, list[dict], dict]:
-    """``(session, {policy: planted rows}, next-token-loss rows, {policy: passcode rows})``; resumable."""
-    loaded = None if model is None else (model, tokenizer)
-    planted = {}
-    s = None
-    for policy in POLICIES:
-        s = setup("shared_draw", config.replace(policy=policy), loaded=loaded)
-        if loaded is None:
-            print(describe(s))
-        loaded = (s.model, s.tok)
-        if not config.skip_planted:
-            planted[policy] = run_conditions(s, conditions(s), desc=f"planted fact: {policy}")
-    nll = []
-    if not config.skip_nll:
-        out = s.results.path.parent / result_name("shared_draw", config, "nll", model=s.results.config["model"])
-        nll = run_nll(s, nll_arms(config), config.sequences, config.length, out, desc="next-token loss")
-    codes = {}
-    if not config.skip_passcode:
-        codes, _ = passcode.run(passcode_config(config), *loaded)
-    return s, planted, nll, codes
+def start(p: Plan, files: dict) -> None:
+    """The command line's description of the run (the first policy's session)."""
+    print(describe(next(iter(p.meta["sessions"].values()))))
 
 
 def report(s: Session, planted: dict, nll: list[dict], codes: dict) -> None:
@@ -192,11 +175,13 @@ def report(s: Session, planted: dict, nll: list[dict], codes: dict) -> None:
         cli.draw("shared_draw", path, a.figure_dir)
 
 
+KIND = Kind("shared_draw", Config, plan, run_unit, merge, check=check_traces, start=start)
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("shared_draw", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,10 +38,9 @@ from randattn.traces import load_traces
 
 from . import cli
 from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
-from .planted_run import load
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit
 from randattn.seeding import batch_seed
 
 PAPER = {"budget": 1024, "buffer": 64}
@@ -339,15 +338,9 @@ def merge(p: Plan, rows: dict, figures: bool) -> list:
     return [rf.path]
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[ResultsFile, list[dict], int]:
-    """Replay every policy and mode over the chats with keep-logs; ``(results file, this run's rows, KV heads)``.
-    The local backend over :func:`plan`'s units."""
-    _traces(config)  # refused before the model loads
-    model, tok = load(config, None if model is None else (model, tokenizer))
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+def start(p: Plan, files: dict) -> None:
+    """The command line's description of the run, before its first unit."""
     print(p.meta["describe"])
-    (results,) = run_local(p, model, tok, restart=config.restart, desc="survival").values()
-    return results, _wanted(config, results.rows), p.meta["n_heads"]
 
 
 def report(config: Config, results: ResultsFile, rows: list[dict], n_heads: int) -> None:
@@ -370,11 +363,13 @@ def report(config: Config, results: ResultsFile, rows: list[dict], n_heads: int)
         cli.draw("survival", results.path, config.figure_dir)
 
 
+KIND = Kind("survival", Config, plan, run_unit, merge, check=_traces, start=start)
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("survival", Config, plan, run_unit, merge)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 from analysis.planted import endpoint_check, pair_tests, summarize
 
-from . import cli
 from .config import POSITIVE, ConfigError, option
 from .planted import Condition
-from .planted_run import (PlantedConfig, Session, describe, finish, parity_check, print_table, run_conditions, run_unit,
-                          session_merge, session_plan, setup)
-from .units import Kind, ModelInfo, Plan
+from .planted_run import (PlantedConfig, Session, check_traces, finish, print_table, run_unit, session_merge,
+                          session_plan, setup, starter)
+from .units import Kind, ModelInfo, Plan, command
 
 
 def two_fact_conditions(n_heads: int, width: int, pairs=None) -> list[Condition]:
@@ -60,15 +59,7 @@ def conditions(s: Session) -> list[Condition]:
 
 def plan(config: Config, model: ModelInfo) -> Plan:
     s = setup("two_facts", config, n_facts=2, loaded=(model.bind_target, model.tokenizer), open_results=False)
-    return session_plan(s, conditions(s))
-
-
-def run(config: Config, model=None, tokenizer=None) -> tuple[Session, list[dict]]:
-    s = setup("two_facts", config, n_facts=2, loaded=None if model is None else (model, tokenizer))
-    print(describe(s))
-    conds = conditions(s)
-    parity_check(s, conds[-1], config.parity)
-    return s, run_conditions(s, conds, desc="two facts")
+    return session_plan(s, conditions(s), stage="two facts")
 
 
 def report(s: Session, rows: list[dict]) -> None:
@@ -97,11 +88,14 @@ def report(s: Session, rows: list[dict]) -> None:
     finish(s, table, "two_facts")
 
 
+KIND = Kind("two_facts", Config, plan, run_unit, session_merge(report), check=check_traces,
+            start=starter(parity=lambda conds: conds[-1]))
+
+
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
-
-KIND = Kind("two_facts", Config, plan, run_unit, session_merge(report))
 
 if __name__ == "__main__":
     sys.exit(main())

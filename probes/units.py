@@ -1,8 +1,10 @@
 """Every probe as units: ``plan(config, model) -> Plan``, ``run_unit(model, tok, unit) -> rows``, ``merge(...)``.
 
-A probe *kind* is three functions and its config class, registered here by name (:data:`KINDS`)::
+A probe *kind* is three functions and its config class; its command line is the one :func:`command` makes of them,
+and it is registered by one line in ``analysis/registry.py`` (which :data:`KINDS` reads)::
 
     KIND = units.Kind("my_probe", Config, plan, run_unit, merge)      # at the end of probes/my_probe.py
+    def main(argv=None): return units.command(KIND, __doc__)(argv)   # python -m probes.my_probe
 
 - ``plan(config, model: ModelInfo) -> Plan`` runs on the driver, with the tokenizer and the model's shape but not
   necessarily its weights (:class:`ModelInfo`). It checks everything a run could refuse (raising
@@ -27,7 +29,8 @@ of its output's config, the unit's key fields and the unit's membership), which 
 
 Backends run units and never know which probe they belong to:
 
-- :func:`run_local` (every probe's command line): the units of a plan in this process, in plan order, each part
+- :func:`run_local` (every probe's command line, :func:`command`: the kind's ``check``, load the model, ``plan``,
+  the kind's ``start``, the units, ``merge``): the units of a plan in this process, in plan order, each part
   appended to its :class:`~probes.results.ResultsFile` as it finishes (one write and one fsync). Resume is the
   results rule: a unit whose rows are all in the file is skipped, one with some parts done runs only the missing
   parts (:meth:`Unit.pending`), so a killed run resumes to the same rows, and bad input is refused before a byte
@@ -40,12 +43,12 @@ Backends run units and never know which probe they belong to:
 Driving units from code (a leaderboard, a notebook)::
 
     from probes import units
-    k = units.kind("passcode")                       # registered in KINDS, any probes/<name>.py with KIND, or
-    config = k.config(policies=("random", "snapkv"))  # any Kind made in this process
+    k = units.kind("head_pooling")                   # registered in KINDS, or any Kind made in this process
+    config = k.config(instances=8)
     plan, files = units.run(k, config)                # load the model, plan, run the pending units here
     k.merge(plan, {path: rf.rows for path, rf in files.items()}, False)
 
-``units.command(KIND, __doc__)`` is such a kind's whole command line. On a cluster, the units of several plans go to
+On a cluster, the units of several plans go to
 ``probes.grid_backends.RayBackend(...).run(units, done, failed)`` as ``probes.grid`` does.
 """
 
@@ -53,7 +56,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -61,6 +63,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from tqdm.auto import tqdm
+
+from analysis import registry
 
 __all__ = ["Unit", "Output", "Plan", "Kind", "ModelInfo", "KINDS", "kind", "register", "stable_id", "make_unit",
            "run_local", "unit_rows", "rows_of_item", "open_files", "write_rows", "run", "command", "load"]
@@ -97,6 +101,7 @@ class Unit:
     ids: list[str] = field(default_factory=list)  # per item, its stable id (make_unit)
     id: str = ""
     label: str = ""  # a short description for progress and failure messages
+    stage: str = ""  # the progress bar a command line shows it under (default: its plan's kind)
 
     def __post_init__(self):
         self.id = self.id or stable_id(self.ids or self.items)
@@ -120,7 +125,7 @@ class Unit:
         if len(parts) == len(self.parts):
             return self
         return Unit(self.kind, self.model, self.output, self.fixed, self.items, self.work, parts, self.fanout,
-                    self.ids, self.id, self.label)
+                    self.ids, self.id, self.label, self.stage)
 
 
 def _key(row: dict, key_fields: tuple[str, ...]) -> tuple:
@@ -133,7 +138,7 @@ def _hashable(value):
 
 def make_unit(kind: str, model: str, output: Output, fixed: dict, items: list[dict], work: dict, *,
               parts: Optional[list[dict]] = None, fanout: Optional[dict] = None, salt: Any = None,
-              label: str = "") -> Unit:
+              label: str = "", stage: str = "") -> Unit:
     """A unit whose item ids hash the output's config (less where it was measured), the unit's key fields, the
     item and the unit's membership (a batch's composition and seed decide its rows); ``salt``: anything else that
     decides them and is in no key (e.g. a batch seed)."""
@@ -142,7 +147,7 @@ def make_unit(kind: str, model: str, output: Output, fixed: dict, items: list[di
     config = {k: v for k, v in output.config.items() if k not in INFORMATIONAL}
     parts, fanout = parts or [{}], fanout or {}
     ids = [stable_id(config, fixed, parts, fanout, salt, item, items) for item in items]
-    return Unit(kind, model, output.path, fixed, items, work, parts, fanout, ids, label=label)
+    return Unit(kind, model, output.path, fixed, items, work, parts, fanout, ids, label=label, stage=stage)
 
 
 @dataclass
@@ -175,39 +180,39 @@ class Kind:
     merge: Optional[Callable[[Plan, dict, bool], list]]
     results: str = ""  # the folder under data/results/ (default: the name)
     grid_folder: Optional[Callable[[Any], str]] = None  # a grid's subfolder of DIR/<results>/ for one config
+    # The command line's own steps around the units (a grid does neither): ``check(config)`` refuses what it can
+    # before the model loads (a missing traces file); ``start(plan, files)`` runs on the driver with the model
+    # loaded and the result files open (``{path: ResultsFile}``), before the first unit (the run's description, a
+    # replay-parity pre-check).
+    check: Optional[Callable[[Any], None]] = None
+    start: Optional[Callable[[Plan, dict], None]] = None
 
     def __post_init__(self):
         self.results = self.results or self.name
         _LOADED.setdefault(self.name, self)  # a kind made in this process runs here without registering
 
 
-#: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for).
-KINDS: dict[str, str] = {name: f"probes.{name}" for name in ("accuracy", "passcode", "head_pooling", "scatter",
-                                                              "two_facts", "prompt_protection", "survival", "blocks",
-                                                              "shared_draw", "autopsy")}
-KINDS["planted"] = "probes.planted_run"  # the runner of every planted-fact probe's units
-KINDS["nll"] = "probes.blocks:NLL"  # the runner of the next-token-loss units (blocks, shared draw)
+#: kind name -> the module that defines ``KIND`` (imported when the kind is first asked for): every probe of
+#: :data:`analysis.registry.PROBES`, then the runners of units other kinds plan (``planted``, ``nll``).
+KINDS: dict[str, str] = registry.kinds()
 _LOADED: dict[str, Kind] = {}
 
 
 def register(name: str, module: str) -> None:
-    """Make ``module`` (which defines ``KIND``) the kind ``name``: the grid and the backends find it by name."""
+    """Make ``module`` (which defines ``KIND``) the kind ``name`` in this process (a probe outside this package):
+    the grid and the backends find it by name. A probe of this package is one line in ``analysis/registry.py``."""
     KINDS[name] = module
     _LOADED.pop(name, None)
 
 
 def kind(name: str) -> Kind:
-    """The kind ``name``: a registered one, or any module ``probes.<name>`` that defines ``KIND``; KeyError naming
-    the known kinds otherwise."""
+    """The kind ``name``: a registered one (:data:`KINDS`) or one made in this process; KeyError naming the known
+    kinds otherwise."""
     if name not in _LOADED:
         module = KINDS.get(name)
         if module is None:
-            found = importlib.util.find_spec(f"probes.{name}") if name.isidentifier() else None
-            if found is not None and "KIND =" in (Path(found.origin).read_text() if found.origin else ""):
-                module = f"probes.{name}"
-        if module is None:
-            raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))} (or a module of "
-                           "probes/ that defines KIND)")
+            raise KeyError(f"{name!r} is not a probe kind; choose from {', '.join(sorted(KINDS))} (a new probe is "
+                           "one line in analysis/registry.py)")
         module, _, attr = module.partition(":")  # "package.module[:NAME]": a module's KIND, or its NAME
         _LOADED[name] = getattr(importlib.import_module(module), attr or "KIND")
     return _LOADED[name]
@@ -288,38 +293,48 @@ def open_files(plan: Plan, *, restart: bool = False) -> dict:
 
 
 def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[str] = None,
-              files: Optional[dict] = None) -> dict:
+              files: Optional[dict] = None, stages: Optional[list] = None) -> dict:
     """Run every pending unit of ``plan`` (and of its further stages) here, appending each part's rows to its
-    results file as it finishes; returns ``{output path: ResultsFile}``."""
+    results file as it finishes; returns ``{output path: ResultsFile}``. ``stages``: a list that gets each plan
+    run (the first, then each ``then``), so a caller merges with the last."""
     files = dict(files or {})
     while True:
+        if stages is not None:
+            stages.append(plan)
         fresh = [o for o in plan.outputs if o.path not in files]
         files.update(open_files(Plan(plan.kind, plan.config, fresh, []), restart=restart))
-        todo = []
-        for u in plan.units:
-            rf = files[u.output]
-            p = u.pending(rf.done, rf.key_fields)
-            if p is not None:
-                todo.append(p)
-        total = sum(len(u.parts) for u in plan.units)
-        left = sum(len(u.parts) for u in todo)
-        if total and left < total:
-            tqdm.write(f"{', '.join(sorted({str(files[u.output].path) for u in plan.units}))}: {total - left} of "
-                       f"{total} batch results already there (an earlier run, or the results shipped with the repo); "
-                       + ("computing the rest" if todo else "nothing to compute, printing them")
-                       + "; --restart recomputes everything")
-        if todo:
-            bar = tqdm(total=total, initial=total - left, desc=desc or plan.kind, unit="batch")
-            try:
-                for u in todo:  # a unit's kind names its runner (the planted-fact probes share one)
-                    for rows in kind(u.kind).run_unit(model, tok, u):
-                        files[u.output].append(rows)
-                        bar.update(1)
-            finally:
-                bar.close()
+        # One progress bar (and one "already there" line) per run of consecutive units of one stage; a caller's
+        # ``desc`` names them all.
+        for stage, group in itertools.groupby(plan.units, key=lambda u: desc or u.stage or plan.kind):
+            _run_group(list(group), files, model, tok, stage)
         if plan.then is None:
             return files
         plan = plan.then({path: rf.rows for path, rf in files.items()})
+
+
+def _run_group(group: list[Unit], files: dict, model, tok, desc: str) -> None:
+    todo = []
+    for u in group:
+        rf = files[u.output]
+        p = u.pending(rf.done, rf.key_fields)
+        if p is not None:
+            todo.append(p)
+    total = sum(len(u.parts) for u in group)
+    left = sum(len(u.parts) for u in todo)
+    if total and left < total:
+        tqdm.write(f"{', '.join(sorted({str(files[u.output].path) for u in group}))}: {total - left} of "
+                   f"{total} batch results already there (an earlier run, or the results shipped with the repo); "
+                   + ("computing the rest" if todo else "nothing to compute, printing them")
+                   + "; --restart recomputes everything")
+    if todo:
+        bar = tqdm(total=total, initial=total - left, desc=desc, unit="batch")
+        try:
+            for u in todo:  # a unit's kind names its runner (the planted-fact probes share one)
+                for rows in kind(u.kind).run_unit(model, tok, u):
+                    files[u.output].append(rows)
+                    bar.update(1)
+        finally:
+            bar.close()
 
 
 def write_rows(output: Output, rows: list[dict]) -> None:
@@ -352,19 +367,31 @@ def load(config, loaded=None):
 
 
 def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[str] = None) -> tuple[Plan, dict]:
-    """The local backend for one configuration: load the model (unless given), plan, run the pending units;
-    ``(plan, {output path: ResultsFile})``."""
+    """The local backend for one configuration: the kind's check, load the model (unless given), plan, open the
+    files, the kind's start, run the pending units; ``(the plan to merge: every stage's outputs and units, the last
+    stage's meta; {output path: ResultsFile})``."""
     k = kind(k) if isinstance(k, str) else k
     import randattn
 
+    if k.check is not None:
+        k.check(config)
     model, tokenizer = load(config, None if model is None else (model, tokenizer))
     p = k.plan(config, ModelInfo.loaded(getattr(config, "model", None) or randattn.DEFAULT_MODEL, model, tokenizer))
-    return p, run_local(p, model, tokenizer, restart=getattr(config, "restart", False), desc=desc or k.name)
+    restart = getattr(config, "restart", False)
+    files = open_files(p, restart=restart)  # a file not ours, or of another configuration, is refused first
+    if k.start is not None:
+        k.start(p, files)
+    stages: list = []
+    files = run_local(p, model, tokenizer, restart=restart, desc=desc, files=files, stages=stages)
+    # What merge gets, as a grid merges a plan and its further stages: every stage's outputs and units, the last's meta.
+    last = stages[-1]
+    outputs = list({o.path: o for s in stages for o in s.outputs}.values())
+    return Plan(last.kind, last.config, outputs, [u for s in stages for u in s.units], meta=last.meta), files
 
 
 def command(k: Kind, doc: str = "") -> Callable:
-    """``main(argv)`` of a kind's command line: parse its Config, run it here (:func:`run`), then its merge (figures
-    unless ``--no-figure``)."""
+    """``main(argv)``: a kind's command line, the only one: parse its Config, run it here (:func:`run`), then its
+    merge on the rows (figures unless ``--no-figure``), as a grid merges them."""
     from . import cli
 
     def body(config):
