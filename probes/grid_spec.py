@@ -211,8 +211,9 @@ def read_spec(path: "str | Path", *, out: "str | Path | None" = None, figures: b
             value = value[0] if len(value) == 1 else value
         try:
             values = _value_lists(key, value, tp)
-        except SpecError as exc:  # a wrong type or an empty list: the file and line too
-            raise SpecError(str(exc), where=at(key), key=key, accepted=sorted(fields)) from None
+        except SpecError as exc:  # a wrong type or an empty list: the file and line, and the keys, too
+            raise SpecError(f"{exc}; the accepted keys are {', '.join(sorted(fields))}", where=at(key), key=key,
+                            accepted=sorted(fields)) from None
         if len(values) == 1:
             fixed[name] = values[0]
         else:
