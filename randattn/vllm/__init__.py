@@ -22,8 +22,9 @@ selection). Deliberate differences:
 - a query-window selector (``snapkv``, ``rkv``, ...) reads the post-RoPE queries vLLM's own attention layer
   computed, buffered per request and layer, where the HF engine recomputes them with the layer's projection: equal
   up to kernel rounding;
-- policies that need what vLLM cannot give are refused by name: accumulated attention (``h2o``), a keep-set scored
-  across layers (``triattention``), per-model calibration statistics;
+- H2O's accumulated attention is recomputed from the held keys after each layer's attention (vLLM's kernel returns no
+  probabilities); policies that need what vLLM cannot give are refused by name: a keep-set scored across layers
+  (``triattention``), per-model calibration statistics;
 - no keep-mask API (pins, forced evictions) and no padded batches: every request is its own row;
 - vLLM's CPU attention (``CPU_ATTN``) and, on CUDA, FlashAttention (``FLASH_ATTN``, :mod:`~randattn.vllm.flash_backend`:
   written and layout-tested on CPU, not yet run on a GPU); one device, eager mode; other platforms are refused.

@@ -43,17 +43,13 @@ def policy_problem(cfg: EngineConfig) -> Optional[str]:
     """Why the configured policy cannot run inside vLLM, or None."""
     pol = cfg.spec.policy_object
     needs = set(getattr(pol, "needs", ()))
-    if "attention" in needs:
-        return (f"policy {pol.name!r} needs the attention each pair received, accumulated over every step (H2O); "
-                "vLLM's attention kernel does not return its probabilities; use a score-free policy or a query-window "
-                "selector (snapkv, rkv)")
     if getattr(pol, "scope", "layer") == "model":
         return (f"policy {pol.name!r} scores all layers at once in one round (a keep-set shared by the layers); the "
                 "plugin runs each layer's round inside that layer's attention; use a per-layer policy")
     if getattr(pol, "calibration", None):
         return (f"policy {pol.name!r} needs per-model calibration statistics ({pol.calibration!r}) bound to an HF "
                 "model; the plugin cannot bind them to a vLLM model; use a policy without calibration")
-    unknown = needs - {"queries"}
+    unknown = needs - {"queries", "attention"}
     if unknown:
         return f"policy {pol.name!r} needs {sorted(unknown)}, which the plugin cannot give it"
     return None
@@ -68,6 +64,7 @@ class _Layer:
     filled: int = 0
     queries: Optional[torch.Tensor] = None  # [1, H_q, <=w, D], the last w post-RoPE queries
     query_positions: Optional[torch.Tensor] = None  # [<=w]
+    attention: Optional[torch.Tensor] = None  # [1, H_q, capacity] float32: attention each held slot received (H2O)
 
 
 @dataclass
@@ -208,6 +205,8 @@ def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: 
             else:
                 lay.queries = torch.cat([lay.queries, q], dim=2)[:, :, -w:].clone()
                 lay.query_positions = torch.cat([lay.query_positions, new_pos])[-w:].clone()
+        if cache.needs_attention:
+            _accumulate(row, lay, query, scale, read)
         if row.round_after:
             _round(row, lay, layer_idx, scale, read, write)
         if row.last and layer_idx == plan.num_layers - 1:
@@ -215,18 +214,48 @@ def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: 
             st.save_keep_log()
 
 
+def _fill_positions(row: _Row, lay: _Layer) -> int:
+    """Write the positions of slots ``[filled, n)`` (the last ``n - filled`` absolute positions, ``_Layer.filled``)
+    and return ``n``, the slots held after this step."""
+    n = row.slot_start + row.q
+    seq_len = row.abs_start + row.q
+    lay.positions[:, lay.filled : n] = torch.arange(seq_len - n + lay.filled, seq_len, device=lay.positions.device)
+    lay.filled = n
+    return n
+
+
+def _accumulate(row: _Row, lay: _Layer, query: torch.Tensor, scale: float, read: Callable) -> None:
+    """H2O's "attention received", as the HF layer accumulates it (``EvictingLayer._accumulate_attention``): this
+    step's queries of the request, softmax over its held slots (this step's included) in float32 with the causal
+    rule, summed over the queries and added to every slot's total. vLLM's kernel returns no probabilities, so they
+    are recomputed from the held keys: one more pass over the request's pairs per layer and step."""
+    n = _fill_positions(row, lay)
+    keys, _ = read(row.blocks, n)  # [H_kv, n, D]
+    q = query[row.q_start : row.q_start + row.q].transpose(0, 1)[None]  # [1, H_q, q, D]
+    groups = q.shape[1] // keys.shape[0]
+    k = keys[None].repeat_interleave(groups, dim=1).to(torch.float32)
+    logits = (q.to(torch.float32) @ k.transpose(-1, -2)) * scale  # [1, H_q, q, n]
+    seq_len = row.abs_start + row.q
+    q_pos = torch.arange(seq_len - row.q, seq_len, device=q.device)
+    slot_pos = lay.positions[None, :, :n].repeat_interleave(groups, dim=1)  # [1, H_q, n]
+    visible = slot_pos[:, :, None, :] <= q_pos[None, None, :, None]
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    if lay.attention is None:
+        lay.attention = torch.zeros((1, q.shape[1], lay.positions.shape[1]), dtype=torch.float32, device=q.device)
+    lay.attention[:, :, :n] += probs.sum(dim=2)
+
+
 def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable, write: Callable) -> None:
     """The HF engine's round on one request's layer: score, protect, select, compact to T, log."""
     st, cache = row.req, row.req.cache
-    n = row.slot_start + row.q
     seq_len = row.abs_start + row.q
-    # slots [filled, n) hold the last n - filled absolute positions (_Layer.filled)
-    lay.positions[:, lay.filled : n] = torch.arange(seq_len - n + lay.filled, seq_len, device=lay.positions.device)
+    n = _fill_positions(row, lay)
     keys, values = read(row.blocks, n)
     positions = lay.positions[:, :n]
+    attention = None if lay.attention is None else lay.attention[:, :, :n]
     held = Held(layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], seq_len=seq_len,
                 round_idx=lay.rounds, prompt_len=st.prompt_len, row_key=cache.row_keys[0], queries=lay.queries,
-                query_positions=lay.query_positions, scaling=float(scale))
+                query_positions=lay.query_positions, scaling=float(scale), attention=attention)
     kept = cache.engine.select(held)[0]  # [H_kv, T], sorted slot indices
     idx = kept[..., None].expand(-1, -1, keys.shape[-1])
     write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
@@ -234,6 +263,10 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     lay.positions[:, : kept.shape[1]] = new_positions
     lay.positions[:, kept.shape[1]:] = -1
     lay.filled = kept.shape[1]
+    if attention is not None:  # the kept slots keep their totals (per query head of each KV head), new slots start at 0
+        kept_q = kept.repeat_interleave(attention.shape[1] // kept.shape[0], dim=0)[None]
+        lay.attention[:, :, : kept.shape[1]] = torch.gather(attention, 2, kept_q)
+        lay.attention[:, :, kept.shape[1]:] = 0
     if cache.keep_log is not None:
         cache.keep_log.record(layer_idx, lay.rounds, seq_len, new_positions[None])
     lay.rounds += 1

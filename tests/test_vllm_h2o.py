@@ -1,0 +1,71 @@
+"""H2O in the vLLM plugin (issue 39 item 1): the accumulated attention the plugin recomputes from a request's held
+keys equals the HF layer's, so every keep record equals the HF engine's on the same keys and queries (main env: the
+plugin's step plan and rounds driven by hand over a paged cache, no vLLM needed; the vllm tier runs it in vLLM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from randattn.spec import EvictionSpec
+from randattn.vllm import config as vcfg
+from randattn.vllm import state
+from randattn.vllm.flash_backend import FlashPagedKV
+
+
+def _records(log):
+    return [(l, r, s, k.tolist()) for l, r, s, k in zip(log.layers, log.rounds, log.seq_lens, log.kept)]
+
+
+@pytest.mark.parametrize("protect,prompt,steps", [(True, 12, 60), (False, 45, 40), (True, 3, 70)])
+def test_h2o_keep_records_equal_the_hf_engine(tmp_path, protect, prompt, steps):
+    budget, buffer, hkv, hq, d, bs, nb = 32, 8, 2, 4, 8, 4, 32
+    g = torch.Generator().manual_seed(prompt)
+    total = prompt + steps
+    keys = torch.randn(hkv, total, d, generator=g)
+    values = torch.randn(hkv, total, d, generator=g)
+    queries = torch.randn(hq, total, d, generator=g)
+    scale = d ** -0.5
+
+    hf = EvictionSpec("h2o", budget=budget, buffer=buffer, protect_prompt=protect).make_cache(
+        keep_log=True, row_keys=["req"])
+    cfg = vcfg.parse_config({"policy": "h2o", "budget": budget, "buffer": buffer, "protect_prompt": protect,
+                             "keep_log_dir": str(tmp_path)})
+    kv = torch.zeros(nb, hkv, bs, 2 * d)
+    paged = FlashPagedKV(kv, d)
+    blocks = np.random.default_rng(0).permutation(nb).astype(np.int32)
+    try:
+        c = 0
+        for n_new in [prompt] + [1] * steps:
+            sl = slice(c, c + n_new)
+            hf._observe_queries(0, queries[None, :, sl], scale)
+            hf.update(keys[None, :, sl], values[None, :, sl], 0)
+            seq_lens = torch.zeros(1, dtype=torch.int32)
+            slots = torch.zeros(n_new, dtype=torch.int64)
+            plan = state.plan_step(cfg, req_ids=["r"], computed=np.array([c]), scheduled=[n_new],
+                                   prompt_lens=[prompt], keys=["req"], max_lens=[None], query_start=np.array([0]),
+                                   block_rows=blocks[None], block_size=bs, num_layers=1, seq_lens=seq_lens,
+                                   slot_mapping=slots)
+            for j, slot in enumerate(slots.tolist()):  # what vLLM's reshape_and_cache does before the attention
+                kv[slot // bs, :, slot % bs] = torch.cat([keys[:, c + j], values[:, c + j]], dim=-1)
+            state.after_attention(plan, 0, queries[:, sl].transpose(0, 1), scale, hkv, paged.read, paged.write)
+            c += n_new
+        vl = state.requests()["r"].cache.keep_log
+        assert len(hf.keep_log) > 2
+        assert _records(vl) == _records(hf.keep_log)
+        # and the held pairs themselves: the paged cache holds what the HF layer holds, head by head
+        layer = hf.layers[0]
+        k_held, v_held = paged.read(blocks, layer.physical_length)
+        assert torch.equal(k_held, layer.keys[0]) and torch.equal(v_held, layer.values[0])
+        # the accumulated attention itself, bit for bit (keep-sets alone tolerate small errors in it)
+        lay = state.requests()["r"].layers[0]
+        assert torch.equal(lay.attention[:, :, : layer.physical_length], layer.attention)
+    finally:
+        state.finish(["r"])
+
+
+def test_h2o_is_served_and_triattention_still_refused():
+    assert state.policy_problem(vcfg.parse_config({"policy": "h2o", "budget": 64, "buffer": 8})) is None
+    problem = state.policy_problem(vcfg.parse_config({"policy": "triattention", "budget": 64, "buffer": 8}))
+    assert problem and "all layers at once" in problem
