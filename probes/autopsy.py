@@ -464,7 +464,7 @@ def _eos(model, tok) -> set:
 
 # -- the command line ---------------------------------------------------------------------------------------------
 @dataclass
-@eviction(policy=setting(("random",), help="policies autopsied at the same K (one results file each)"),
+@eviction(policy=setting(several=True, help="policies autopsied at the same K (one results file each)"),
           budget=setting(None, help=SETTINGS["budget"].help + " (default 256)"),
           buffer=setting(None, help=SETTINGS["buffer"].help + " (default 16)"))
 class Config(EvictionConfig):

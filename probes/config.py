@@ -5,7 +5,7 @@ analysis of its rows. The command line, the grid and the challenge all build the
 command line sees an argparse Namespace::
 
     @dataclass
-    @eviction(policy=DEFAULT, budget=256, buffer=16)    # the eviction settings: defined once (SETTINGS); DEFAULT: the spec's
+    @eviction(policy=DEFAULT, budget=256, buffer=16)    # eviction settings: once (SETTINGS); DEFAULT: the spec's
     class MyConfig(EvictionConfig):
         body: int = option(512, "tokens between question and answer", check=POSITIVE)   # the probe's own
 
@@ -452,7 +452,10 @@ def eviction(**defaults):
             if d.value is DEFAULT:  # the spec's default, declared once there
                 if not s.has_default:
                     raise TypeError(f"{name} has no spec default; give {cls.__name__}'s own")
-                d = _Default(s.default, d.several, d.overrides)
+                value = s.default
+                if d.several and not isinstance(value, tuple):  # a list of the one default: ("random",)
+                    value = (value,)
+                d = _Default(value, d.several, d.overrides)
             tp = s.type
             # a list-valued default (or ``several``) makes a one-value setting a tuple of them; ``policies`` is one
             # already (``tuple[str, ...] is tuple[str, ...]`` is False: each spelling is a new alias, so never ``is``)

@@ -25,7 +25,7 @@ from randattn.keepstats import random_round_survival
 from randattn.spec import min_budget
 from randattn.traces import load_traces
 
-from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, RunConfig, eviction, option, setting
+from .config import DEFAULT, NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, RunConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder, audit_keep_log, fact_metrics, model_shape, run_batch
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 from .units import Kind, Output, Plan, Unit, load, make_unit, run_local
@@ -38,7 +38,7 @@ KEY = ("instance", "condition", "fact")
 
 @dataclass
 @eviction(policy=setting("random", help="how the background (everything but the box) is evicted"), budget=256,
-          buffer=16, protect_prompt=False, stats=None)
+          buffer=16, protect_prompt=False, stats=DEFAULT)
 class PlantedConfig(EvictionConfig):
     """The planted-fact instrument's settings, shared by head pooling, scatter, two facts, blocks, passcode and the
     shared-draw probe."""

@@ -37,7 +37,7 @@ from randattn.rules import longest_prompt
 from randattn.traces import load_traces
 
 from . import cli
-from .config import POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
+from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .policy_specs import native_protection
 from .results import DEFAULT_TRACES, ResultsFile, out_folder, run_record, trace_label
 from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit
@@ -55,7 +55,7 @@ ROUND_TABLE_N = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 48, 64)
 
 @dataclass
 @eviction(policies=setting(None, help="policies to run (default: every registered one)"), budget=256, buffer=16,
-          stats=None)
+          stats=DEFAULT)
 class Config(EvictionConfig):
     """Survival curves and keep-log metrics per policy (``python -m probes.survival``)."""
 
