@@ -76,7 +76,7 @@ def test_read_config_without_section_is_inactive():
     assert vcfg.read_config({"randattn": {"budget": 64, "buffer": 8}}).budget == 64
 
 
-@pytest.mark.parametrize("policy,needs", [("triattention", "all layers at once")])
+@pytest.mark.parametrize("policy,needs", [("triattention", "none were given: pass them in its options")])
 def test_policies_vllm_cannot_serve_are_refused_by_name(policy, needs):
     problem = state.policy_problem(vcfg.parse_config({"policy": policy, "budget": 64, "buffer": 8}))
     assert problem is not None and repr(policy) in problem and needs in problem
@@ -273,6 +273,8 @@ SHORT_ENGINES = [
     {"policy": "random-pmix", "budget": 72, "buffer": 16, "options": {"small": 16}},
     {"policy": "random_ppp", "budget": 72, "buffer": 16, "options": {"plan_prefix": 16, "min_scatter": 8}},
     {"policy": "h2o", "budget": 72, "buffer": 16},  # accumulated attention, recomputed by the plugin (issue 39)
+    # one keep-set for all layers, scored at the first layer's round from every layer's KV cache (issue 39)
+    {"policy": "triattention", "budget": 72, "buffer": 16, "options": {"stats": "smollm2-135m"}},
 ]
 
 
@@ -354,10 +356,11 @@ def test_a_batch_is_each_request_alone(tmp_path, embedded):
 
 @pytest.mark.vllm
 def test_refusals(short_runs):
-    """triattention is refused by name when the engine is made (h2o is served: test_every_policy_equals_hf); a prompt
-    that does not fit T under protection gets its own error and the request added before it finishes."""
+    """triattention without statistics is refused by name when the engine is made (with them it is served, as h2o:
+    test_every_policy_equals_hf); a prompt that does not fit T under protection gets its own error and the request
+    added before it finishes."""
     out = short_runs["refusals"]
     assert "h2o" not in out
-    assert out["triattention"] and "'triattention'" in out["triattention"]
+    assert out["triattention"] and "'triattention'" in out["triattention"] and "stats" in out["triattention"]
     assert out["too_long"] and "budget >= " in out["too_long"] and "protect_prompt=False" in out["too_long"]
     assert list(out["finished"]) == ["good"] and len(out["finished"]["good"]) == 24

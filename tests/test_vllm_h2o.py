@@ -65,7 +65,52 @@ def test_h2o_keep_records_equal_the_hf_engine(tmp_path, protect, prompt, steps):
         state.finish(["r"])
 
 
-def test_h2o_is_served_and_triattention_still_refused():
+def test_h2o_is_served():
     assert state.policy_problem(vcfg.parse_config({"policy": "h2o", "budget": 64, "buffer": 8})) is None
+
+
+def test_triattention_shared_keep_set_equals_the_hf_engine(tmp_path):
+    """TriAttention's keep-set shared by all layers, scored when the first layer reaches the round from every layer's
+    candidates (the later layers not yet holding this step's pairs, as in vLLM's layer-by-layer forward): equal keep
+    records to the HF cache's, with the embedded model's shipped statistics on its shapes (30 layers, 3 KV heads)."""
+    layers, hkv, hq, d, bs, nb, budget, buffer, prompt, steps = 30, 3, 9, 64, 4, 40, 48, 8, 10, 60
+    g = torch.Generator().manual_seed(7)
+    total = prompt + steps
+    keys = torch.randn(layers, hkv, total, d, generator=g)
+    values = torch.randn(layers, hkv, total, d, generator=g)
+    spec = dict(budget=budget, buffer=buffer, options={"stats": "smollm2-135m"})
+    hf = EvictionSpec("triattention", **spec).make_cache(keep_log=True, row_keys=["req"])
+    cfg = vcfg.parse_config({"policy": "triattention", **spec, "keep_log_dir": str(tmp_path)})
+    assert state.policy_problem(cfg) is None
+    kv = [torch.zeros(nb, hkv, bs, 2 * d) for _ in range(layers)]
+    paged = [FlashPagedKV(t, d) for t in kv]
+    blocks = np.random.default_rng(0).permutation(nb).astype(np.int32)
+    try:
+        c = 0
+        for n_new in [prompt] + [1] * steps:
+            sl = slice(c, c + n_new)
+            for i in range(layers):
+                hf.update(keys[None, i, :, sl], values[None, i, :, sl], i)
+            slots = torch.zeros(n_new, dtype=torch.int64)
+            plan = state.plan_step(cfg, req_ids=["r"], computed=np.array([c]), scheduled=[n_new],
+                                   prompt_lens=[prompt], keys=["req"], max_lens=[None], query_start=np.array([0]),
+                                   block_rows=blocks[None], block_size=bs, num_layers=layers,
+                                   seq_lens=torch.zeros(1, dtype=torch.int32), slot_mapping=slots)
+            for i in range(layers):  # layer by layer: layer i's pairs written just before its attention
+                for j, slot in enumerate(slots.tolist()):
+                    kv[i][slot // bs, :, slot % bs] = torch.cat([keys[i, :, c + j], values[i, :, c + j]], dim=-1)
+                state.after_attention(plan, i, torch.zeros(n_new, hq, d), d ** -0.5, hkv, paged[i].read,
+                                      paged[i].write, read_layer=lambda k: paged[k].read)
+            c += n_new
+        vl = state.requests()["r"].cache.keep_log
+        assert len(hf.keep_log) == layers * 2  # rounds at lengths 56 and 64
+        assert _records(vl) == _records(hf.keep_log)
+        first = [k for l, r, s, k in _records(hf.keep_log) if r == 0]
+        assert all(k == first[0] for k in first)  # one keep-set for every layer: the shared scope is in force
+    finally:
+        state.finish(["r"])
+
+
+def test_triattention_without_statistics_is_refused_with_the_option_to_pass():
     problem = state.policy_problem(vcfg.parse_config({"policy": "triattention", "budget": 64, "buffer": 8}))
-    assert problem and "all layers at once" in problem
+    assert problem and "'options': {'stats': 'smollm2-135m'}" in problem

@@ -23,8 +23,9 @@ selection). Deliberate differences:
   computed, buffered per request and layer, where the HF engine recomputes them with the layer's projection: equal
   up to kernel rounding;
 - H2O's accumulated attention is recomputed from the held keys after each layer's attention (vLLM's kernel returns no
-  probabilities); policies that need what vLLM cannot give are refused by name: a keep-set scored across layers
-  (``triattention``), per-model calibration statistics;
+  probabilities); TriAttention's keep-set shared by all layers is scored when the first layer reaches the round, from
+  every layer's KV cache in the forward context, as the HF cache scores it; its statistics must be given in the
+  policy's options (the HF cache can find a model's shipped ones through the HF model, the worker cannot);
 - no keep-mask API (pins, forced evictions) and no padded batches: every request is its own row;
 - vLLM's CPU attention (``CPU_ATTN``) and, on CUDA, FlashAttention (``FLASH_ATTN``, :mod:`~randattn.vllm.flash_backend`:
   written and layout-tested on CPU, not yet run on a GPU); one device, eager mode; other platforms are refused.

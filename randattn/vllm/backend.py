@@ -29,7 +29,7 @@ import torch
 
 from . import state
 
-__all__ = ["PagedKV", "layer_index"]  # EvictingCPUBackend, EvictingCPUImpl: built on first use (they need vLLM)
+__all__ = ["PagedKV", "layer_index", "layer_kv_cache"]  # EvictingCPUBackend, EvictingCPUImpl: built on first use (they need vLLM)
 
 _LAYOUTS: dict = {}
 
@@ -40,6 +40,18 @@ def layer_index(name: str) -> int:
     if not found:
         raise ValueError(f"randattn.vllm: cannot read a layer index from the attention layer name {name!r}")
     return int(found[0])
+
+
+def layer_kv_cache(layer_idx: int) -> torch.Tensor:
+    """Layer ``layer_idx``'s paged KV cache in the forward in progress (vLLM's forward context): what a policy
+    scored across layers reads of the other layers at a round."""
+    from vllm.forward_context import get_forward_context
+
+    for name, module in get_forward_context().no_compile_layers.items():
+        kv = getattr(module, "kv_cache", None)
+        if torch.is_tensor(kv) and kv.numel() and re.findall(r"\.(\d+)\.", f".{name}.")[:1] == [str(layer_idx)]:
+            return kv  # the first index in the name is the decoder layer's (layer_index)
+    raise RuntimeError(f"randattn.vllm: no KV cache of layer {layer_idx} in the forward context")
 
 
 def _layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +178,9 @@ def _cpu_classes():
                 self._layer_idx = layer_index(getattr(layer, "layer_name", ""))
             paged = PagedKV(kv_cache, layer.isa, self.head_size)
             q = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write)
+            read_layer = lambda i: PagedKV(layer_kv_cache(i), layer.isa, self.head_size).read  # noqa: E731
+            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write,
+                                  read_layer)
             return out
 
     class EvictingCPUBackend(CPUAttentionBackend):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import state
-from .backend import layer_index
+from .backend import layer_index, layer_kv_cache
 
 __all__ = ["FlashPagedKV"]  # EvictingFlashAttentionBackend, EvictingFlashAttentionImpl: built on first use
 
@@ -102,7 +102,9 @@ def _flash_classes():
                 self._layer_idx = layer_index(getattr(layer, "layer_name", ""))
             paged = FlashPagedKV(kv_cache, self.head_size)
             q = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write)
+            read_layer = lambda i: FlashPagedKV(layer_kv_cache(i), self.head_size).read  # noqa: E731
+            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write,
+                                  read_layer)
             return out
 
     class EvictingFlashAttentionBackend(FlashAttentionBackend):

@@ -43,12 +43,12 @@ def policy_problem(cfg: EngineConfig) -> Optional[str]:
     """Why the configured policy cannot run inside vLLM, or None."""
     pol = cfg.spec.policy_object
     needs = set(getattr(pol, "needs", ()))
-    if getattr(pol, "scope", "layer") == "model":
-        return (f"policy {pol.name!r} scores all layers at once in one round (a keep-set shared by the layers); the "
-                "plugin runs each layer's round inside that layer's attention; use a per-layer policy")
-    if getattr(pol, "calibration", None):
-        return (f"policy {pol.name!r} needs per-model calibration statistics ({pol.calibration!r}) bound to an HF "
-                "model; the plugin cannot bind them to a vLLM model; use a policy without calibration")
+    option = getattr(pol, "calibration", None)
+    if option and getattr(pol, option, None) is None:
+        # The HF cache finds a model's shipped statistics through the HF model object; the worker has a vLLM model.
+        return (f"policy {pol.name!r} needs per-model calibration statistics and none were given: pass them in its "
+                f"options, e.g. {{'options': {{'{option}': 'smollm2-135m'}}}} (a shipped name) or a file from "
+                "`python -m randattn.calibrate`")
     unknown = needs - {"queries", "attention"}
     if unknown:
         return f"policy {pol.name!r} needs {sorted(unknown)}, which the plugin cannot give it"
@@ -185,11 +185,12 @@ def plan_step(cfg: EngineConfig, *, req_ids: list, computed: np.ndarray, schedul
 
 
 def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: float, kv_heads: int,
-                    read: Callable, write: Callable) -> None:
+                    read: Callable, write: Callable, read_layer: Optional[Callable] = None) -> None:
     """One layer's bookkeeping after its attention: buffer queries, run rounds, write finished keep-logs.
 
     ``query``: ``[tokens, H_q, D]`` post-RoPE; ``read(blocks, n) -> (K, V)`` each ``[H_kv, n, D]``, the first
     ``n`` held slots of a request; ``write(blocks, K, V)`` stores ``[H_kv, n, D]`` into its first ``n`` slots.
+    ``read_layer(i)``: layer ``i``'s ``read``, for a policy scored across layers (TriAttention's shared keep-set).
     Only ``plan.work`` is visited: a row that neither buffers queries nor ends on a round has nothing to record
     (its new slots' positions are filled at the next round, ``_Layer.filled``)."""
     for row in plan.work:
@@ -208,7 +209,7 @@ def after_attention(plan: StepPlan, layer_idx: int, query: torch.Tensor, scale: 
         if cache.needs_attention:
             _accumulate(row, lay, query, scale, read)
         if row.round_after:
-            _round(row, lay, layer_idx, scale, read, write)
+            _round(row, lay, layer_idx, scale, read, write, plan.num_layers, read_layer)
         if row.last and layer_idx == plan.num_layers - 1:
             # vLLM tells the worker a request finished only in the next step, which may never come: write now.
             st.save_keep_log()
@@ -245,10 +246,45 @@ def _accumulate(row: _Row, lay: _Layer, query: torch.Tensor, scale: float, read:
     lay.attention[:, :, :n] += probs.sum(dim=2)
 
 
-def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable, write: Callable) -> None:
+def _layer_views(row: _Row, layer_idx: int, view, num_layers: int, read_layer: Optional[Callable]) -> Callable:
+    """Every layer's view of this round, for a policy scored across layers, as the HF cache builds them when its
+    first layer reaches the round: the same ``n`` candidates of each layer. In vLLM's layer-by-layer forward the
+    later layers have not written this step's pairs yet, but the candidates exclude the newest ``recent`` slots, so
+    (for a step of at most ``recent`` tokens, refused otherwise in :func:`_round`) they are all already there."""
+    st, engine = row.req, row.req.cache.engine
+
+    def views() -> list:
+        if read_layer is None:
+            raise RuntimeError(f"randattn.vllm: policy {engine.policy.name!r} scores all layers at once, but this "
+                               "attention backend reads one layer only (read_layer)")
+        n, out = view.shape[-1], []
+        for i in range(num_layers):
+            if i == layer_idx:
+                out.append(view)
+                continue
+            other = st.layer(i, view.keys.shape[1], view.keys.device)
+            # slots [filled, n) of layer i are still the last absolute positions before this step
+            base = row.abs_start - row.slot_start
+            other.positions[:, other.filled : n] = torch.arange(base + other.filled, base + n,
+                                                                device=other.positions.device)
+            other.filled = max(other.filled, n)
+            keys, values = read_layer(i)(row.blocks, n)
+            held = Held(layer_idx=i, keys=keys[None], values=values[None], positions=other.positions[None, :, :n],
+                        seq_len=view.seq_len, round_idx=other.rounds, prompt_len=st.prompt_len, row_key=view.row_key)
+            out.append(engine.view(held, n=n))
+        return out
+
+    return views
+
+
+def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable, write: Callable,
+           num_layers: int = 1, read_layer: Optional[Callable] = None) -> None:
     """The HF engine's round on one request's layer: score, protect, select, compact to T, log."""
     st, cache = row.req, row.req.cache
+    engine = cache.engine
     seq_len = row.abs_start + row.q
+    if engine.shared_scope and row.q > engine.recent:  # the HF cache refuses the same forward before it runs
+        engine.refuse_shared_round_mid_forward(row.slot_start + row.q, row.q, prompt=row.abs_start == 0)
     n = _fill_positions(row, lay)
     keys, values = read(row.blocks, n)
     positions = lay.positions[:, :n]
@@ -256,7 +292,12 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     held = Held(layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], seq_len=seq_len,
                 round_idx=lay.rounds, prompt_len=st.prompt_len, row_key=cache.row_keys[0], queries=lay.queries,
                 query_positions=lay.query_positions, scaling=float(scale), attention=attention)
-    kept = cache.engine.select(held)[0]  # [H_kv, T], sorted slot indices
+    if engine.shared_scope:
+        view = engine.view(held)
+        kept = engine.keep(view, forward=seq_len, layer_views=_layer_views(row, layer_idx, view, num_layers,
+                                                                          read_layer))[0]
+    else:
+        kept = engine.select(held)[0]  # [H_kv, T], sorted slot indices
     idx = kept[..., None].expand(-1, -1, keys.shape[-1])
     write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
     new_positions = torch.gather(positions, 1, kept)
