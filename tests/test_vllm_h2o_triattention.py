@@ -1,4 +1,4 @@
-"""H2O in the vLLM plugin (issue 39 item 1): the accumulated attention the plugin recomputes from a request's held
+"""H2O and TriAttention in the vLLM plugin (issue 39 item 1): the accumulated attention the plugin recomputes from a request's held
 keys equals the HF layer's, so every keep record equals the HF engine's on the same keys and queries (main env: the
 plugin's step plan and rounds driven by hand over a paged cache, no vLLM needed; the vllm tier runs it in vLLM)."""
 
