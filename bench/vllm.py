@@ -1,4 +1,5 @@
-"""vLLM full attention vs vLLM + Random at the same KV memory, and the HF engine at the same setting (issue 26).
+"""vLLM full attention vs vLLM + Random vs the selectors the paper served against (TriAttention, R-KV, H2O) at the same
+KV memory, and the HF engine at the same setting (issues 26, 39).
 
 Run with the vLLM virtual environment (bench/vllm_cpu.lock), from the repository root:
 
@@ -13,6 +14,11 @@ own process (a fresh engine, nothing shared):
 - ``vllm random``: the same engine, the same pool, plus ``additional_config={"randattn": {"policy": "random",
   "budget": T, "buffer": r}}`` (the plugin: per-head eviction in the paged cache, blocks capped at
   ``ceil((T + r) / block_size)`` per request);
+- ``vllm triattention``, ``vllm rkv``, ``vllm h2o``: the same with that policy (TriAttention with
+  ``--triattention-stats``, the embedded model's shipped statistics by default): the paper's serving comparison,
+  Random against the strongest prior evictors in the same runtime. Each evicting arm also reports the seconds its
+  process spent in the plugin's rounds (``round_s``: reading the held pairs, scoring, selecting, writing the
+  compacted ones, and H2O's attention pass), and ``x_vllm_random``: Random's total tokens/s over the arm's;
 - ``hf random, batch b``: randattn's ``EvictingCache`` (Random, the same T, r, seed and row keys) through HF
   ``generate`` on the same model folder, the first ``b`` requests as one left-padded batch, for each ``--hf-batches``.
 
@@ -44,7 +50,9 @@ from bench.common import BenchBase, hidden, parse, result_path
 from probes.config import POSITIVE, PROBABILITY, ConfigError, eviction, option
 
 DEFAULT_MODEL = Path.home() / ".cache" / "randattn" / "smollm2-135m"
-ARMS = ("vllm full", "vllm random", "hf random")
+#: The evicting vLLM arms and their policy (the paper's serving comparison: Random against TriAttention, R-KV, H2O).
+EVICTING = {"vllm random": "random", "vllm triattention": "triattention", "vllm rkv": "rkv", "vllm h2o": "h2o"}
+ARMS = ("vllm full", *EVICTING, "hf random")
 
 
 # -- the requests -------------------------------------------------------------------------------------------------
@@ -80,22 +88,25 @@ def hf_generation(new_tokens: int) -> dict:
 
 
 # -- one arm, in its own process ----------------------------------------------------------------------------------
-def run_vllm(case: dict, evict: bool) -> dict:
+def run_vllm(case: dict, arm: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its counters are readable
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     import randattn.vllm
-    from randattn.vllm import checks
+    from randattn.vllm import checks, state
 
     randattn.vllm.register()  # what the entry point does where randattn is installed; idempotent
     kw = dict(model=case["model"], dtype=case["dtype"], enforce_eager=True, enable_prefix_caching=False, seed=0,
               block_size=case["block_size"], num_gpu_blocks_override=case["blocks"] + 1,  # + vLLM's null block
               max_model_len=case["max_model_len"], gpu_memory_utilization=case["memory_utilization"],
               scheduler_cls=checks.SCHEDULER)
-    if evict:
-        kw["additional_config"] = {"randattn": {"policy": "random", "budget": case["budget"],
-                                                "buffer": case["buffer"], "seed": 0}}
+    policy = EVICTING.get(arm)
+    if policy is not None:
+        section = {"policy": policy, "budget": case["budget"], "buffer": case["buffer"], "seed": 0}
+        if policy == "triattention":
+            section["options"] = {"stats": case["stats"]}
+        kw["additional_config"] = {"randattn": section}
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
@@ -107,14 +118,16 @@ def run_vllm(case: dict, evict: bool) -> dict:
     params = [SamplingParams(**vllm_sampling(case["new_tokens"]), extra_args={"randattn_key": request_key(i)})
               for i in range(len(case["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in case["prompts"]]
+    state.reset_round_times()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rounds = dict(state.ROUND_TIMES)
     spec = llm.llm_engine.vllm_config.cache_config
     page = _page_bytes(llm)
     new = [len(o.outputs[0].token_ids) for o in outs]
-    return {"arm": "vllm random" if evict else "vllm full", "batch": len(prompts), "wall_s": wall, "cpu_s": cpu,
-            "load_s": load_s,
+    return {"arm": arm, "policy": policy or "full", "batch": len(prompts), "wall_s": wall, "cpu_s": cpu,
+            "load_s": load_s, **({"round_s": rounds} if policy else {}),
             "requests_finished": sum(n == case["new_tokens"] for n in new), "generated_tokens": sum(new),
             "prompt_tokens": sum(len(p) for p in case["prompts"]), "kv_bytes": page * case["blocks"],
             "block_bytes": page, "block_size": spec.block_size, **{k: v for k, v in sched.counters.items()
@@ -165,7 +178,7 @@ def run_hf(case: dict) -> list[dict]:
 def worker(argv: list[str]) -> int:
     arm, case_path, out_path = argv
     case = json.loads(Path(case_path).read_text())
-    rows = run_hf(case) if arm == "hf random" else [run_vllm(case, evict=arm == "vllm random")]
+    rows = run_hf(case) if arm == "hf random" else [run_vllm(case, arm)]
     Path(out_path).write_text(json.dumps(rows))
     return 0
 
@@ -216,6 +229,10 @@ class Config(BenchBase):
     hf_batches: tuple[int, ...] = option((1, 4, 16), "HF engine batch sizes (the first b requests each; --arms "
                                                      "without 'hf random' skips the HF arm)")
     arms: tuple[str, ...] = option(ARMS, "arms to run", choices=ARMS)
+    triattention_stats: str = option("smollm2-135m", "TriAttention's statistics for the 'vllm triattention' arm: a "
+                                                     "shipped name or a .pt file from python -m randattn.calibrate "
+                                                     "(the default ships for the embedded model only)",
+                                     metavar="STATS")
     dtype: str = option("float32", "vLLM dtype (float32, as the HF arm)")
     threads: int = option(2, "CPU threads of every arm", check=POSITIVE)
     memory_utilization: float = option(0.3, "vLLM gpu_memory_utilization (on CPU: the share of RAM it may reserve)",
@@ -275,7 +292,8 @@ def main(argv=None) -> int:
     case = {"model": args.model, "prompts": prompts, "new_tokens": args.new_tokens, "budget": args.budget,
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks,
             "max_model_len": -(-longest // args.block_size) * args.block_size, "threads": args.threads,
-            "memory_utilization": args.memory_utilization, "hf_batches": list(args.hf_batches), "dtype": args.dtype}
+            "memory_utilization": args.memory_utilization, "hf_batches": list(args.hf_batches), "dtype": args.dtype,
+            "stats": args.triattention_stats}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arm in args.arms:
@@ -289,9 +307,11 @@ def main(argv=None) -> int:
         r["output_tokens_per_s"] = r["generated_tokens"] / r["wall_s"]
         # CPU seconds of the arm's process (all its threads): less sensitive than wall time to other load
         r["total_tokens_per_cpu_s"] = (r["prompt_tokens"] + r["generated_tokens"]) / r["cpu_s"]
+    rnd = by_arm.get("vllm random")
     for r in rows:
         r["x_vllm_full"] = r["total_tokens_per_s"] / full["total_tokens_per_s"] if full else None
-    rnd = by_arm.get("vllm random")
+        # the paper's serving headline: Random's throughput over each arm's at the same pool, T and r
+        r["x_vllm_random"] = rnd["total_tokens_per_s"] / r["total_tokens_per_s"] if rnd else None
     if rnd and full:  # do the two vLLM arms agree on tokens? (they must not: eviction changes text; how much)
         same = [a == b for a, b in zip(rnd["tokens"], full["tokens"])]
         rnd["same_tokens_as_full"] = sum(same)
@@ -302,10 +322,12 @@ def main(argv=None) -> int:
                 hf = tokens[f"hf random b{r['batch']}"]
                 r["same_tokens_as_vllm_random"] = sum(a == b for a, b in zip(hf, tokens["vllm random"]))
     for r in rows:
-        print(f"{r['arm']:>12} batch {r['batch']:>3}: {r['wall_s']:7.1f} s  {r['total_tokens_per_s']:7.1f} "
+        print(f"{r['arm']:>17} batch {r['batch']:>3}: {r['wall_s']:7.1f} s  {r['total_tokens_per_s']:7.1f} "
               f"total tok/s  {r['output_tokens_per_s']:7.1f} out tok/s  finished {r['requests_finished']}  "
               f"peak blocks {r.get('peak_blocks_used', '-')}  max running {r['max_running']}  "
-              f"preemptions {r.get('preemptions', '-')}", flush=True)
+              f"preemptions {r.get('preemptions', '-')}"
+              + (f"  Random's tok/s = {r['x_vllm_random']:.2f}x this arm's" if r.get("x_vllm_random") else ""),
+              flush=True)
     import torch
     import vllm
     from vllm.platforms import current_platform
@@ -317,7 +339,7 @@ def main(argv=None) -> int:
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks, "full_blocks_per_request":
             full_blocks, "capped_blocks_per_request": cap_blocks, "max_model_len": case["max_model_len"],
             "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))], "hf_batches": list(args.hf_batches),
-            "arms": list(args.arms)}
+            "arms": list(args.arms), "triattention_stats": args.triattention_stats}
     write_results(args.out, meta, rows)
     print(f"wrote {args.out}")
     return 0

@@ -18,6 +18,7 @@ indices to their own storage and keep-logs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -154,6 +155,7 @@ class RoundEngine:
         self.query_window = self.buffer if window is None else max(int(window or 0), 1)
         self.shared_scope = getattr(policy, "scope", "layer") == "model"
         self._shared: Optional[tuple] = None  # (forward, {round key: per-layer scores}): a policy scored across layers
+        self.times: Optional[dict] = None  # seconds per phase of keep() when set (the vLLM benchmark's profile)
 
     # -- the schedule, for one layer ------------------------------------------------------------------------------
     def due(self, stored: int) -> bool:
@@ -226,11 +228,21 @@ class RoundEngine:
         return self.keep(self.view(held, rules), rules, **score_args)
 
     def keep(self, view: CacheView, rules: Sequence = (), **score_args) -> torch.Tensor:
-        """The keep indices of a round from its view (:meth:`view`): scored, pinned, force-evicted, selected."""
+        """The keep indices of a round from its view (:meth:`view`): scored, pinned, force-evicted, selected. With
+        :attr:`times` set (a dict), the seconds spent scoring and selecting are added to its ``score`` and
+        ``select`` (CPU clocks: on CUDA they count launches, not kernels)."""
         _, evicted = rule_masks(rules, view.layer_idx, view.positions)
         try:
-            return select_keep(self.scores(view, **score_args), keep=view.keep, recent=self.recent,
-                               pinned=view.pinned, evicted=evicted)
+            if self.times is None:
+                return select_keep(self.scores(view, **score_args), keep=view.keep, recent=self.recent,
+                                   pinned=view.pinned, evicted=evicted)
+            t0 = time.perf_counter()
+            scores = self.scores(view, **score_args)
+            t1 = time.perf_counter()
+            kept = select_keep(scores, keep=view.keep, recent=self.recent, pinned=view.pinned, evicted=evicted)
+            self.times["score"] = self.times.get("score", 0.0) + t1 - t0
+            self.times["select"] = self.times.get("select", 0.0) + time.perf_counter() - t1
+            return kept
         except ValueError as exc:
             raise ValueError(f"layer {view.layer_idx}: {exc} (T={self.budget}, recent={self.recent})") from None
 

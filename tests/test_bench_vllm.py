@@ -87,16 +87,25 @@ def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):
 
     model = str(models.converted_embedded(models.DEFAULT_MODEL))
     out = tmp_path / "vllm.json"
+    arms = ["vllm full", "vllm random", "vllm triattention", "vllm h2o", "hf random"]  # R-KV: as Random's plumbing
     proc = subprocess.run([str(VENV_PYTHON), "-m", "bench.vllm", "--requests", "2", "--new-tokens", "64", "--budget",
                            "104", "--buffer", "8", "--hf-batches", "2", "--threads", "1", "--model", model, "--out",
-                           str(out)], cwd=ROOT, env=vllm_env(), capture_output=True, text=True, timeout=900)
+                           str(out), "--arms", *arms], cwd=ROOT, env=vllm_env(), capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, proc.stderr[-5000:]
     data = json.loads(out.read_text())
-    assert [r["arm"] for r in data["rows"]] == ["vllm full", "vllm random", "hf random"]
+    assert [r["arm"] for r in data["rows"]] == arms
+    by = {r["arm"]: r for r in data["rows"]}
+    for arm in ("vllm random", "vllm triattention", "vllm h2o"):  # every evicting arm ran rounds, timed by phase
+        t = by[arm]["round_s"]
+        assert t["rounds"] > 0 and t["score"] > 0 and t["select"] > 0 and t["read"] > 0, (arm, t)
+        assert by[arm]["x_vllm_random"] > 0 and by[arm]["evicting"]
+    assert by["vllm h2o"]["round_s"]["accumulate"] > 0 == by["vllm random"]["round_s"]["accumulate"]
+    assert by["vllm random"]["x_vllm_random"] == 1.0
     for r in data["rows"]:
         assert ARM_KEYS <= set(r) and r["requests_finished"] == r["batch"] == 2, r
         assert r["generated_tokens"] == 2 * 64 and r["wall_s"] > 0
-    for r in data["rows"][:2]:
+    for r in data["rows"][:4]:
         assert VLLM_KEYS <= set(r), r
     assert data["rows"][1]["evicting"] and not data["rows"][0]["evicting"]
     # the prompts reach T + r = 112 and beyond, so the plugin capped blocks at ceil(112 / 32) = 4 per request

@@ -22,6 +22,7 @@ crosses a round is refused with ``RuntimeError`` (decode one token at a time wou
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -37,6 +38,18 @@ __all__ = ["RequestState", "StepPlan", "plan_step", "after_attention", "finish",
 
 _REQUESTS: dict[str, "RequestState"] = {}
 _CURRENT: Optional["StepPlan"] = None
+#: Seconds this process spent in the plugin's rounds, per phase (``read`` the held pairs, ``score`` and ``select``:
+#: the round engine's, ``write`` the compaction, ``accumulate`` H2O's attention pass) and the ``rounds`` run: what
+#: bench.vllm reports per arm. CPU clocks (on CUDA they count launches, not kernels).
+ROUND_TIMES: dict = {}
+
+
+def reset_round_times() -> None:
+    ROUND_TIMES.clear()
+    ROUND_TIMES.update({"read": 0.0, "score": 0.0, "select": 0.0, "write": 0.0, "accumulate": 0.0, "rounds": 0})
+
+
+reset_round_times()
 
 
 def policy_problem(cfg: EngineConfig) -> Optional[str]:
@@ -86,6 +99,7 @@ class RequestState:
     def new(cls, req_id: str, key, prompt_len: int, cfg: EngineConfig, max_len: Optional[int] = None,
             log_name: Optional[str] = None):
         cache = cfg.spec.make_cache(keep_log=cfg.keep_log_dir is not None, row_keys=[key], prompt_len=prompt_len)
+        cache.engine.times = ROUND_TIMES
         return cls(req_id=req_id, key=key, prompt_len=int(prompt_len), cfg=cfg, cache=cache, max_len=max_len,
                    log_name=log_name or log_file_name(key))
 
@@ -230,6 +244,7 @@ def _accumulate(row: _Row, lay: _Layer, query: torch.Tensor, scale: float, read:
     step's queries of the request, softmax over its held slots (this step's included) in float32 with the causal
     rule, summed over the queries and added to every slot's total. vLLM's kernel returns no probabilities, so they
     are recomputed from the held keys: one more pass over the request's pairs per layer and step."""
+    t0 = time.perf_counter()
     n = _fill_positions(row, lay)
     keys, _ = read(row.blocks, n)  # [H_kv, n, D]
     q = query[row.q_start : row.q_start + row.q].transpose(0, 1)[None]  # [1, H_q, q, D]
@@ -244,6 +259,7 @@ def _accumulate(row: _Row, lay: _Layer, query: torch.Tensor, scale: float, read:
     if lay.attention is None:
         lay.attention = torch.zeros((1, q.shape[1], lay.positions.shape[1]), dtype=torch.float32, device=q.device)
     lay.attention[:, :, :n] += probs.sum(dim=2)
+    ROUND_TIMES["accumulate"] += time.perf_counter() - t0
 
 
 def _layer_views(row: _Row, layer_idx: int, view, num_layers: int, read_layer: Optional[Callable]) -> Callable:
@@ -286,7 +302,9 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
     if engine.shared_scope and row.q > engine.recent:  # the HF cache refuses the same forward before it runs
         engine.refuse_shared_round_mid_forward(row.slot_start + row.q, row.q, prompt=row.abs_start == 0)
     n = _fill_positions(row, lay)
+    t0 = time.perf_counter()
     keys, values = read(row.blocks, n)
+    ROUND_TIMES["read"] += time.perf_counter() - t0
     positions = lay.positions[:, :n]
     attention = None if lay.attention is None else lay.attention[:, :, :n]
     held = Held(layer_idx=layer_idx, keys=keys[None], values=values[None], positions=positions[None], seq_len=seq_len,
@@ -298,8 +316,11 @@ def _round(row: _Row, lay: _Layer, layer_idx: int, scale: float, read: Callable,
                                                                           read_layer))[0]
     else:
         kept = engine.select(held)[0]  # [H_kv, T], sorted slot indices
+    t0 = time.perf_counter()
     idx = kept[..., None].expand(-1, -1, keys.shape[-1])
     write(row.blocks, torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+    ROUND_TIMES["write"] += time.perf_counter() - t0
+    ROUND_TIMES["rounds"] += 1
     new_positions = torch.gather(positions, 1, kept)
     lay.positions[:, : kept.shape[1]] = new_positions
     lay.positions[:, kept.shape[1]:] = -1
