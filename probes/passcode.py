@@ -29,8 +29,8 @@ from randattn.spec import min_budget
 from . import cli
 from .config import POSITIVE, ConfigError, eviction, option, setting
 from .planted import Condition
-from .planted_run import PAPER, run_unit, PlantedConfig, condition_units, describe, load, setup, write_csv
-from .units import Kind, ModelInfo, Plan, run_local
+from .planted_run import PAPER, run_unit, PlantedConfig, condition_units, describe, setup, write_csv
+from .units import Kind, ModelInfo, Plan, command, run_local
 
 FACT = " IMPORTANT: the passcode is {value}. Remember it."
 QUERY = "\nWhat was the passcode again? The passcode is"
@@ -112,24 +112,28 @@ def rows_by_policy(p: Plan, rows: dict) -> dict:
     return out
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[dict, dict]:
-    """``({policy: rows}, {policy: session})``: the passcode instances under each policy (resuming finished rows);
-    with ``references``, Random's file also gets full attention and the passcode pinned everywhere. The local
-    backend over :func:`plan`'s units."""
-    given = model is not None
-    model, tok = load(config, (model, tokenizer) if given else None)
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
-    if not given:
-        print(describe(p.meta["sessions"][config.policies[0]]).replace(f"distance {config.distance}",
-                                                                      f"{config.rounds} rounds"))
-    files = run_local(p, model, tok, restart=config.restart, desc="passcode")
-    sessions = {pol: dataclasses.replace(s, model=model, tok=tok, results=files[str(s.results.path)])
+def run(config: Config, model, tokenizer) -> tuple[dict, dict]:
+    """``({policy: rows}, {policy: session})`` from code with the model loaded (the leaderboard's passcode task):
+    :func:`plan`'s units run here (resuming finished rows), nothing printed but their progress; with
+    ``references``, Random's file also gets full attention and the passcode pinned everywhere."""
+    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tokenizer))
+    files = run_local(p, model, tokenizer, restart=config.restart, desc="passcode")
+    sessions = {pol: dataclasses.replace(s, model=model, tok=tokenizer, results=files[str(s.results.path)])
                 for pol, s in p.meta["sessions"].items()}
     return rows_by_policy(p, {path: rf.rows for path, rf in files.items()}), sessions
 
 
+def describe_run(p: Plan) -> None:
+    """The command line's description of the run (the first policy's session, its distance as rounds), printed
+    once the plan is made (``Kind.planned``)."""
+    config = p.config
+    print(describe(p.meta["sessions"][config.policies[0]]).replace(f"distance {config.distance}",
+                                                                 f"{config.rounds} rounds"))
+
+
 def merge(p: Plan, rows: dict, figures: bool) -> list[Path]:
-    """The comparison summary beside the per-policy files, as :func:`report` writes it; prints the table."""
+    """A grid's merge: the comparison summary beside the per-policy files, as :func:`report` writes it; prints
+    the table."""
     by_policy = rows_by_policy(p, rows)
     config = p.config
     table = passcode_compare(by_policy, seed=config.seed)
@@ -152,8 +156,13 @@ def summary_name(config: Config, model: str) -> str:
     return result_name("passcode", config, "summary", model=model)
 
 
-def report(config: Config, rows_by_policy: dict, sessions: dict) -> None:
-    table = passcode_compare(rows_by_policy, seed=config.seed)
+def report(p: Plan, rows: dict, figures: bool) -> list[Path]:
+    """The command line's table (with the rounds each instance really went through and the difference from Random)
+    and the summary beside the per-policy files; the figure as ``passcode.png`` (``Kind.report``: a grid's
+    :func:`merge` names its figure after the summary, one per geometry)."""
+    config = p.config
+    by_policy = rows_by_policy(p, rows)
+    table = passcode_compare(by_policy, seed=config.seed)
     print(f"\npasscode stated once, asked after {config.rounds} rounds (T={config.budget}, r={config.buffer}, "
           f"prompt {'protected' if config.protect_prompt else 'unprotected'}); 95% bootstrap CIs")
     print(f"{'policy':<17} {'n':>3} {'rounds':>7}  {'retrieval':<22} {'mean LP':<26} {'retrieval - random':<24}")
@@ -163,17 +172,20 @@ def report(config: Config, rows_by_policy: dict, sessions: dict) -> None:
         print(f"{r['policy']:<17} {r['n']:>3} {r['rounds']:>7}  {r['retrieval']:.3f} [{r['retrieval_lo']:.3f}, "
               f"{r['retrieval_hi']:.3f}]  {r['mean_lp']:7.2f} [{r['mean_lp_lo']:.2f}, {r['mean_lp_hi']:.2f}]  {diff}")
     print("paper (Qwen3-4B, 57 rounds): random .000, rkv .836, vase .344, snapkv ~0, triattention ~0")
-    first = rows_by_policy[config.policies[0]][0]["config"]
+    first = by_policy[config.policies[0]][0]["config"]
     record = {k: first[k] for k in ("model", "budget", "buffer", "protect_prompt", "seed", "rounds")}
-    folder = sessions[config.policies[0]].results.path.parent
+    folder = Path(p.meta["sessions"][config.policies[0]].results.path).parent
     path = write_csv(folder / summary_name(config, record["model"]), [{**r, **record} for r in table])
     print(f"\nsummary: {path}")
-    if not config.no_figure:
-        cli.draw("passcode", path, config.figure_dir)
+    paths = [Path(o.path) for o in p.outputs] + [path]
+    if figures:
+        paths += cli.draw("passcode", path, config.figure_dir)
+    return paths
 
 
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(c, *run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
 
 def grid_folder(config: Config) -> str:
@@ -181,7 +193,8 @@ def grid_folder(config: Config) -> str:
     return summary_name(config, config.model or randattn.DEFAULT_MODEL)[len("summary-"):-len(".csv")]
 
 
-KIND = Kind("passcode", Config, plan, run_unit, merge, grid_folder=grid_folder)
+KIND = Kind("passcode", Config, plan, run_unit, merge, grid_folder=grid_folder, planned=describe_run,
+            report=report)
 
 if __name__ == "__main__":
     sys.exit(main())

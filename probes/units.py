@@ -30,11 +30,11 @@ of its output's config, the unit's key fields and the unit's membership), which 
 Backends run units and never know which probe they belong to:
 
 - :func:`run_local` (every probe's command line, :func:`command`: the kind's ``check``, load the model, ``plan``,
-  the kind's ``start``, the units, ``merge``): the units of a plan in this process, in plan order, each part
-  appended to its :class:`~probes.results.ResultsFile` as it finishes (one write and one fsync). Resume is the
-  results rule: a unit whose rows are all in the file is skipped, one with some parts done runs only the missing
-  parts (:meth:`Unit.pending`), so a killed run resumes to the same rows, and bad input is refused before a byte
-  changes.
+  the kind's ``planned``, open the files, its ``start``, the units, ``merge`` or the kind's ``report``): the units
+  of a plan in this process, in plan order, each part appended to its :class:`~probes.results.ResultsFile` as it
+  finishes (one write and one fsync). Resume is the results rule: a unit whose rows are all in the file is
+  skipped, one with some parts done runs only the missing parts (:meth:`Unit.pending`), so a killed run resumes
+  to the same rows, and bad input is refused before a byte changes.
 - ``probes.grid`` with ``probes.grid_backends`` (``--backend local|ray``): the same units from a TOML spec of any
   registered kind, each finished item written once to ``DIR/items/`` by the driver (a Ray actor per worker returns
   rows, never writes), then merged into the files :func:`run_local` writes, row for row and in the same order
@@ -180,12 +180,18 @@ class Kind:
     merge: Optional[Callable[[Plan, dict, bool], list]]
     results: str = ""  # the folder under data/results/ (default: the name)
     grid_folder: Optional[Callable[[Any], str]] = None  # a grid's subfolder of DIR/<results>/ for one config
-    # The command line's own steps around the units (a grid does neither): ``check(config)`` refuses what it can
-    # before the model loads (a missing traces file); ``start(plan, files)`` runs on the driver with the model
-    # loaded and the result files open (``{path: ResultsFile}``), before the first unit (the run's description, a
-    # replay-parity pre-check).
+    # The command line's own steps around the units (a grid does none of them): ``check(config)`` refuses what it
+    # can before the model loads (a missing traces file); ``planned(plan)`` runs on the driver once the plan is
+    # made, before any result file is opened (what must be on disk before a file is touched or discarded: the
+    # leaderboard's registration of its tasks; a description printed before a refusal of ``--out``);
+    # ``start(plan, files)`` with the result files open (``{path: ResultsFile}``), before the first unit (the
+    # run's description, a replay-parity pre-check); ``report(plan, rows, figures)``, as ``merge`` takes them, is
+    # what the command line prints and writes after the units where that differs from the grid's ``merge`` (the
+    # passcode's and the accuracy harness's tables; default: ``merge``).
     check: Optional[Callable[[Any], None]] = None
     start: Optional[Callable[[Plan, dict], None]] = None
+    planned: Optional[Callable[[Plan], None]] = None
+    report: Optional[Callable[[Plan, dict, bool], Any]] = None
 
     def __post_init__(self):
         self.results = self.results or self.name
@@ -367,9 +373,9 @@ def load(config, loaded=None):
 
 
 def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[str] = None) -> tuple[Plan, dict]:
-    """The local backend for one configuration: the kind's check, load the model (unless given), plan, open the
-    files, the kind's start, run the pending units; ``(the plan to merge: every stage's outputs and units, the last
-    stage's meta; {output path: ResultsFile})``."""
+    """The local backend for one configuration: the kind's check, load the model (unless given), plan, the kind's
+    planned, open the files, the kind's start, run the pending units; ``(the plan to merge: every stage's outputs
+    and units, the last stage's meta; {output path: ResultsFile})``."""
     k = kind(k) if isinstance(k, str) else k
     import randattn
 
@@ -377,6 +383,8 @@ def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[s
         k.check(config)
     model, tokenizer = load(config, None if model is None else (model, tokenizer))
     p = k.plan(config, ModelInfo.loaded(getattr(config, "model", None) or randattn.DEFAULT_MODEL, model, tokenizer))
+    if k.planned is not None:
+        k.planned(p)
     restart = getattr(config, "restart", False)
     files = open_files(p, restart=restart)  # a file not ours, or of another configuration, is refused first
     if k.start is not None:
@@ -391,11 +399,12 @@ def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[s
 
 def command(k: Kind, doc: str = "") -> Callable:
     """``main(argv)``: a kind's command line, the only one: parse its Config, run it here (:func:`run`), then its
-    merge on the rows (figures unless ``--no-figure``), as a grid merges them."""
+    merge on the rows (figures unless ``--no-figure``), as a grid merges them, or its ``report`` where the command
+    line's tables differ from the grid's."""
     from . import cli
 
     def body(config):
         p, files = run(k, config)
-        k.merge(p, {path: rf.rows for path, rf in files.items()}, not getattr(config, "no_figure", True))
+        (k.report or k.merge)(p, {path: rf.rows for path, rf in files.items()}, not getattr(config, "no_figure", True))
 
     return lambda argv=None: cli.main(k.config, body, argv, doc)
