@@ -16,7 +16,9 @@ own process (a fresh engine, nothing shared):
   ``ceil((T + r) / block_size)`` per request);
 - ``vllm triattention``, ``vllm rkv``, ``vllm h2o``: the same with that policy (TriAttention with
   ``--triattention-stats``, the embedded model's shipped statistics by default): the paper's serving comparison,
-  Random against the strongest prior evictors in the same runtime. Each evicting arm also reports the seconds its
+  Random against the strongest prior evictors in the same runtime, each in its policy's mode of the paper's grid
+  (``Policy.paper_protection``: Random and TriAttention protect the prompt, R-KV and H2O do not; recorded per row as
+  ``protect_prompt``). Each evicting arm also reports the seconds its
   process spent in the plugin's rounds (``round_s``: reading the held pairs, scoring, selecting, writing the
   compacted ones, and H2O's attention pass), and ``x_vllm_random``: Random's total tokens/s over the arm's;
 - ``hf random, batch b``: randattn's ``EvictingCache`` (Random, the same T, r, seed and row keys) through HF
@@ -103,7 +105,8 @@ def run_vllm(case: dict, arm: str) -> dict:
               scheduler_cls=checks.SCHEDULER)
     policy = EVICTING.get(arm)
     if policy is not None:
-        section = {"policy": policy, "budget": case["budget"], "buffer": case["buffer"], "seed": 0}
+        section = {"policy": policy, "budget": case["budget"], "buffer": case["buffer"], "seed": 0,
+                   "protect_prompt": case["protect"][arm]}
         if policy == "triattention":
             section["options"] = {"stats": case["stats"]}
         kw["additional_config"] = {"randattn": section}
@@ -126,7 +129,8 @@ def run_vllm(case: dict, arm: str) -> dict:
     spec = llm.llm_engine.vllm_config.cache_config
     page = _page_bytes(llm)
     new = [len(o.outputs[0].token_ids) for o in outs]
-    return {"arm": arm, "policy": policy or "full", "batch": len(prompts), "wall_s": wall, "cpu_s": cpu,
+    return {"arm": arm, "policy": policy or "full", "protect_prompt": case["protect"].get(arm), "batch": len(prompts),
+            "wall_s": wall, "cpu_s": cpu,
             "load_s": load_s, **({"round_s": rounds} if policy else {}),
             "requests_finished": sum(n == case["new_tokens"] for n in new), "generated_tokens": sum(new),
             "prompt_tokens": sum(len(p) for p in case["prompts"]), "kv_bytes": page * case["blocks"],
@@ -266,6 +270,15 @@ def _arm(arm: str, case: dict, tmp: Path, threads: int) -> list[dict]:
     return json.loads(out_path.read_text())
 
 
+def _paper_protection(policy: str) -> bool:
+    """Each evicting arm runs in its policy's mode of the paper's grid (``Policy.paper_protection``: Random and
+    TriAttention protect the prompt, R-KV and H2O do not); H2O's own pins (the newest T/2) and a protected prompt
+    would not both fit T at these lengths."""
+    import randattn
+
+    return bool(randattn.make_policy(policy).paper_protection)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
@@ -293,7 +306,7 @@ def main(argv=None) -> int:
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks,
             "max_model_len": -(-longest // args.block_size) * args.block_size, "threads": args.threads,
             "memory_utilization": args.memory_utilization, "hf_batches": list(args.hf_batches), "dtype": args.dtype,
-            "stats": args.triattention_stats}
+            "stats": args.triattention_stats, "protect": {arm: _paper_protection(pol) for arm, pol in EVICTING.items()}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arm in args.arms:
