@@ -59,11 +59,11 @@ from . import accuracy, cli, passcode, prompt_protection, registration, survival
 from .common import policy_slug
 from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder
-from .planted_run import PlantedConfig, load, run_conditions, setup, write_csv
+from .planted_run import PlantedConfig, run_conditions, setup, write_csv
 from .policy_specs import calibration_options
 from .results import DEFAULT_TRACES, run_record, trace_label
 from .tasks import TASKS as ACCURACY_TASKS
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit
 from randattn.seeding import batch_seed
 
 #: the reference every selector is measured against (score-free Random, the prompt protected like everyone's).
@@ -689,44 +689,33 @@ def registered(config: Config) -> dict:
             for t in config.tasks}
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[Plan, dict]:
-    """Every pending unit here (the local backend), then the table; ``(final plan, {output path: ResultsFile})``.
-    The board's tasks are checked against its registered spec before the model loads, and registered before their
-    first rows."""
-    root = board_root(config, config.model or randattn.DEFAULT_MODEL)
-    wanted = registered(config)
-    registration.check(root, wanted, restart=config.restart)
-    model, tok = load(config, None if model is None else (model, tokenizer))
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+def check(config: Config) -> None:
+    """The board's tasks against its registered spec (:mod:`probes.registration`), before the model loads
+    (``Kind.check``)."""
+    registration.check(board_root(config, config.model or randattn.DEFAULT_MODEL), registered(config),
+                       restart=config.restart)
+
+
+def register_tasks(p: Plan) -> None:
+    """Register the plan's tasks in the board's ``spec.json`` before their first rows (a task whose rows are on disk
+    already is marked so), then describe the run (``Kind.planned``: before any result file is opened, so a
+    ``--restart`` has not discarded them yet)."""
+    config: Config = p.config
     have_rows: dict = {}
     for o in p.outputs:
         have_rows[output_slot(o)] = have_rows.get(output_slot(o), False) or Path(o.path).exists()
-    registration.record(Path(p.meta["root"]), wanted, restart=config.restart, rows_exist=have_rows)
+    registration.record(Path(p.meta["root"]), registered(config), restart=config.restart, rows_exist=have_rows)
     print(f"leaderboard: {', '.join(config.selectors)} vs random | model {config.model or randattn.DEFAULT_MODEL} | "
           f"T={config.budget}, r={config.buffer}, prompt {'protected' if config.protect_prompt else 'unprotected'} | "
           f"tasks {', '.join(config.tasks)} | results in {p.meta['root']}")
-    all_units = list(p.units)
-    stages = []
-
-    def then(rows, _later=p.then):
-        nxt = _later(rows)
-        all_units.extend(nxt.units)
-        stages.append(nxt)
-        return nxt
-
-    if p.then is not None:
-        p.then = then
-    files = run_local(p, model, tok, restart=config.restart, desc="leaderboard")
-    final = Plan("leaderboard", config, p.outputs, all_units, meta={**p.meta, "units": all_units})
-    merge(final, {path: rf.rows for path, rf in files.items()}, figures=True)
-    return final, files
 
 
 def main(argv=None) -> int:
-    return cli.main(Config, run, argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return units.command(KIND, __doc__)(argv)
 
 
-KIND = Kind("leaderboard", Config, plan, run_unit, merge)
+KIND = Kind("leaderboard", Config, plan, run_unit, merge, check=check, planned=register_tasks)
 
 if __name__ == "__main__":
     sys.exit(main())
