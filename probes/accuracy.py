@@ -53,12 +53,12 @@ from randattn.stats import comparison_table
 
 from . import cli
 from .config import NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
-from .planted_run import load, write_csv
+from .planted_run import write_csv
 from .policy_specs import bind_policies, calibration_options, grid_protection, native_protection, seed_free
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
-from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit, run_local
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit, run as run_kind
 from randattn import seeding
 
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
@@ -521,7 +521,7 @@ def arm_units(config: Config, model_name: str, output: Output, task, problems, p
         out.append(make_unit("accuracy", model_name, output,
                              {"policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect},
                              [{"problem": problems[i].id, "run": run} for i in idx], work, salt=seed,
-                             label=f"{arm.label} K={arm.budget} run {run}"))
+                             label=f"{arm.label} K={arm.budget} run {run}", stage=f"accuracy: {task.name}"))
     return out
 
 
@@ -557,20 +557,39 @@ def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
     return paths
 
 
-def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
-    """Generate and grade every pending (arm, run, problem) here (the local backend over :func:`plan`'s units);
-    ``(resolved config, results file, this run's rows)``."""
-    _problems(config)  # a bad task or data file is refused before the model loads
-    model, tok = load(config.resolved(), None if model is None else (model, tokenizer))
-    p = plan(config, ModelInfo.loaded(config.model or randattn.DEFAULT_MODEL, model, tok))
+def check(config: Config) -> None:
+    """What the command line refuses before the model loads (``Kind.check``): a bad task or data file, a code task
+    without its sandbox, a bad ``--policy-option``."""
+    _problems(config)
+    config.resolved()
+
+
+def describe_run(p: Plan) -> None:
+    """The run's description, printed once the plan is made (``Kind.planned``)."""
     print(p.meta["describe"])
-    files = run_local(p, model, tok, restart=config.restart, desc=f"accuracy: {config.task}")
-    config, (rf,) = p.config, files.values()
+
+
+def this_run(p: Plan, rows: list[dict]) -> list[dict]:
+    """The rows of this run's problems and runs (the file may hold more, from an earlier, larger run)."""
     ids = {prob.id for prob in p.meta["problems"]}
-    return config, rf, [r for r in rf.rows if r["problem"] in ids and r["run"] < config.runs]
+    return [r for r in rows if r["problem"] in ids and r["run"] < p.config.runs]
 
 
-def report(config: Config, rf: ResultsFile, rows: list[dict], *, figure_name: Optional[str] = None) -> None:
+def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile, list[dict]]:
+    """Generate and grade every pending (arm, run, problem) here (``units.run`` of this kind: the command line's
+    steps without its tables); ``(resolved config, results file, this run's rows)``."""
+    p, files = run_kind(KIND, config, model, tokenizer)
+    rf = files[p.outputs[0].path]
+    return p.config, rf, this_run(p, rf.rows)
+
+
+def report(p: Plan, rows: dict, figures: bool) -> list[Path]:
+    """The command line's tables (``Kind.report``): the summary of this run's rows (:func:`this_run`), the
+    methods x budgets comparison with Random, the files beside the rows, the figure under its shipped name (a
+    grid's :func:`merge` summarizes the whole file and names the figure after it)."""
+    config, (o,) = p.config, p.outputs
+    path = Path(o.path)
+    rows = this_run(p, rows[o.path])
     table = summarize(rows, seed=config.seed)
     gains = protection_gains(rows, seed=config.seed)
     print_summary(table, gains, config.protocol)
@@ -579,25 +598,28 @@ def report(config: Config, rf: ResultsFile, rows: list[dict], *, figure_name: Op
         print("\n" + comparison_table(results, reference="random", seed=config.seed)
               + "(accuracy, and in brackets the difference from random; * = significant by both the paired bootstrap "
                 "CI and the exact sign test)")
-    paths = write_outputs(rf.path, rows, table, gains, config.task)
+    paths = write_outputs(path, rows, table, gains, config.task)
     warning = warn_uncompressed(table)
     if warning:
         print("\n" + warning)
-    print(f"\nrows: {rf.path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
-    if not config.no_figure:
+    print(f"\nrows: {path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    written = [path, *paths.values()]
+    if figures:
         problems = ",".join(sorted({r["problem"] for r in rows}))
         # a shipped run's figure has the name `python -m figures` draws it under; any other run's is named after its
         # results so that runs of other tasks or budgets do not overwrite it
-        name = figure_name or FIGURE_NAMES.get(rf.path.name, rf.path.stem)
-        cli.draw("accuracy", rf.path, config.figure_dir, "--problems", problems, "--runs", str(config.runs),
-                 "--name", name)
+        name = FIGURE_NAMES.get(path.name, path.stem)
+        written += cli.draw("accuracy", path, config.figure_dir, "--problems", problems, "--runs",
+                            str(config.runs), "--name", name)
+    return written
 
 
 def main(argv=None) -> int:
-    return cli.main(Config, lambda c: report(*run(c)), argv, __doc__)
+    """The command line: the one every kind has (``units.command``), of this kind."""
+    return command(KIND, __doc__)(argv)
 
 
-KIND = Kind("accuracy", Config, plan, run_unit, merge)
+KIND = Kind("accuracy", Config, plan, run_unit, merge, check=check, planned=describe_run, report=report)
 
 if __name__ == "__main__":
     sys.exit(main())
