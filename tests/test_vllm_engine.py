@@ -327,6 +327,22 @@ def test_policies_equal_hf(tmp_path, embedded, engine):
     _assert_conforms(out, 160)
 
 
+@pytest.mark.vllm
+@pytest.mark.vllm_long
+@pytest.mark.parametrize("engine", [
+    {"policy": "h2o", "budget": 96, "buffer": 16, "options": {"recent_fraction": 0.08}},
+    {"policy": "triattention", "budget": 96, "buffer": 16, "options": {"stats": "smollm2-135m"}},
+    {"policy": "vase", "budget": 96, "buffer": 16},
+], ids=lambda e: e["policy"])
+def test_selectors_over_1024_tokens_in_a_preempting_batch_equal_hf(tmp_path, embedded, engine):
+    """The selectors the plugin serves since issue 39 (H2O's recomputed attention, TriAttention's keep-set shared by
+    all layers) and VaSE: four prompts of different lengths in one batch over 1,024 new tokens, in a pool of 10 blocks
+    where they need 16 at once (4 each), so vLLM preempts and recomputes; every request equals the HF engine alone."""
+    out = _drive(tmp_path, _case(embedded, engine, embedded[1], 1024, blocks=10))
+    _assert_conforms(out, 1024)
+    assert out["preemptions"] and out["preemptions"] > 0, out["preemptions"]
+
+
 def _check_batch(out, embedded, new_tokens):
     assert len({len(p) for p in embedded[1]}) >= 3
     _assert_conforms(out, new_tokens)

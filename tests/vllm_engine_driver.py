@@ -166,6 +166,8 @@ def run_case(case: dict) -> dict:
     kw = {}
     if case.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = case["max_num_batched_tokens"]
+    if case.get("blocks"):  # a pool too small for the batch at once: vLLM preempts and recomputes
+        kw["num_gpu_blocks_override"] = case["blocks"] + 1  # + vLLM's null block
     times = {"start_s": time.perf_counter() - T0}  # phases, for the tier's time budget (docs/testing.md)
     t0 = time.perf_counter()
     llm = LLM(model=case["model"], dtype="float32", enforce_eager=True, seed=0, enable_prefix_caching=False,
@@ -188,7 +190,10 @@ def run_case(case: dict) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": r["prompt_ids"]} for r in reqs], params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    sched = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    counters = dict(getattr(getattr(sched, "scheduler", None), "counters", {}) or {})  # in-process engine core only
     result = {"wall_s": wall, "new_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "requests": [],
+              "preemptions": counters.get("preemptions"),
               "log_files": sorted(os.listdir(log_dir))}
     vl_logs = []
     for key, o in zip(keys, outs):

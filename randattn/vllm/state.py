@@ -258,7 +258,14 @@ def _accumulate(row: _Row, lay: _Layer, query: torch.Tensor, scale: float, read:
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
     if lay.attention is None:
         lay.attention = torch.zeros((1, q.shape[1], lay.positions.shape[1]), dtype=torch.float32, device=q.device)
-    lay.attention[:, :, :n] += probs.sum(dim=2)
+    # The HF engine adds one forward's sum at a time: the prompt's at once, then one generated token per forward. A
+    # chunk of generated tokens (vLLM's recompute after a preemption) is added token by token in that order, so the
+    # float32 totals, and the near-ties they decide, do not depend on how vLLM chunked the request.
+    in_prompt = max(0, min(row.q, row.req.prompt_len - row.abs_start))
+    if in_prompt:
+        lay.attention[:, :, :n] += probs[:, :, :in_prompt].sum(dim=2)
+    for t in range(in_prompt, row.q):
+        lay.attention[:, :, :n] += probs[:, :, t]
     ROUND_TIMES["accumulate"] += time.perf_counter() - t0
 
 
