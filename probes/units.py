@@ -381,6 +381,10 @@ def run(k: "Kind | str", config, model=None, tokenizer=None, *, desc: Optional[s
 
     if k.check is not None:
         k.check(config)
+    if getattr(config, "out", None) is not None:  # a broken --out is refused before the model loads, as it was
+        from .results import out_folder
+
+        out_folder(k.name, config.out)
     model, tokenizer = load(config, None if model is None else (model, tokenizer))
     p = k.plan(config, ModelInfo.loaded(getattr(config, "model", None) or randattn.DEFAULT_MODEL, model, tokenizer))
     if k.planned is not None:

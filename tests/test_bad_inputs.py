@@ -674,8 +674,9 @@ API_ROWS = [
      "runs with the prompt unprotected by definition"),
     ("vllm-config-unknown-key", lambda: _vllm_config({"budget": 64, "buffer": 8, "bufer": 8}), "unknown keys ['bufer']"),
     ("vllm-config-no-budget", lambda: _vllm_config({"policy": "random", "buffer": 8}), "needs 'budget'"),
-    ("vllm-policy-h2o", lambda: _vllm_config({"policy": "h2o", "budget": 64, "buffer": 8}),
-     "policy 'h2o' needs the attention each pair received"),
+    # h2o is served since issue 39 (its attention recomputed by the plugin); TriAttention needs its statistics given
+    ("vllm-policy-triattention-no-stats", lambda: _vllm_config({"policy": "triattention", "budget": 64, "buffer": 8}),
+     "policy 'triattention' needs per-model calibration statistics and none were given"),
     # One settings reader (issue 35): another spelling of a key, a key the source does not take, a wrong type; each
     # names the source and the key and lists the accepted keys (tests/test_settings_reader.py has every source).
     ("vllm-config-alias-K", lambda: _vllm_config({"K": 64, "buffer": 8}),

@@ -203,7 +203,8 @@ def test_the_vllm_benchmark_reads_the_same_layers(model_folder, tmp_path):
     assert {k: getattr(defaults, k) for k in ("requests", "new_tokens", "budget", "buffer", "block_size", "blocks",
                                               "hf_batches", "arms", "dtype", "threads", "memory_utilization", "out")} \
         == dict(requests=16, new_tokens=1024, budget=256, buffer=32, block_size=32, blocks=None, hf_batches=(1, 4, 16),
-                arms=("vllm full", "vllm random", "hf random"), dtype="float32", threads=2, memory_utilization=0.3,
+                arms=("vllm full", "vllm random", "vllm triattention", "vllm rkv", "vllm h2o", "hf random"),  # issue 39
+                dtype="float32", threads=2, memory_utilization=0.3,
                 out="data/results/bench/vllm.json")
     path = tmp_path / "vllm.toml"
     path.write_text(f'model = "{model_folder}"\nrequests = 4\nhf_batches = [2]\nblocks = 40\narms = ["vllm random"]\n')
