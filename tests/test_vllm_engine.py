@@ -344,7 +344,7 @@ def test_selectors_over_1024_tokens_in_a_preempting_batch_equal_hf(tmp_path, emb
         _assert_conforms(out, 1024)
         return
     # H2O ranks attention it accumulates over every step from vLLM's own post-RoPE queries, where the HF engine
-    # recomputes them: measured 2026-12-03, tokens and log-probs all equal, 1,738 of 1,740 keep records (one request,
+    # recomputes them: measured 2026-12-03, every token equal, 1,738 of 1,740 keep records (one request,
     # layer 13, round 42: 3 slots at a near-tie), the same before and after the recompute adds token by token. The
     # records may differ at such ties; the tokens may not.
     for row in out["requests"]:
