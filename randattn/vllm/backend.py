@@ -157,6 +157,22 @@ class PagedKV:
         self.flat.index_copy_(0, b, rows)
 
 
+def rounds_after(impl, layer, query, kv_cache, attn_metadata, out, decoder, paged_of):
+    """What an evicting impl does after vLLM's attention kernel (the CPU one and FlashAttention alike): hand the
+    layer to :func:`randattn.vllm.state.after_attention` when the step plan has work for it. ``paged_of(kv_cache)``
+    gives the backend's own reader/writer of a layer's cache (:class:`PagedKV`, ``FlashPagedKV``)."""
+    plan = state.current()
+    if plan is None or not plan.work or attn_metadata is None or impl.attn_type != decoder:
+        return out  # most decode steps: no request runs a round or buffers queries
+    if impl._layer_idx is None:
+        impl._layer_idx = layer_index(getattr(layer, "layer_name", ""))
+    paged = paged_of(kv_cache)
+    q = query[: attn_metadata.num_actual_tokens].view(-1, impl.num_heads, impl.head_size)
+    state.after_attention(plan, impl._layer_idx, q, impl.scale, impl.num_kv_heads, paged.read, paged.write,
+                          lambda i: paged_of(layer_kv_cache(i)).read)
+    return out
+
+
 def _cpu_classes():
     """The backend and impl classes, built on first use (vLLM is imported only then)."""
     from vllm.v1.attention.backend import AttentionType
@@ -171,17 +187,8 @@ def _cpu_classes():
                     output_block_scale=None):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                   output_block_scale)
-            plan = state.current()
-            if plan is None or not plan.work or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-                return out  # most decode steps: no request runs a round or buffers queries
-            if self._layer_idx is None:
-                self._layer_idx = layer_index(getattr(layer, "layer_name", ""))
-            paged = PagedKV(kv_cache, layer.isa, self.head_size)
-            q = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            read_layer = lambda i: PagedKV(layer_kv_cache(i), layer.isa, self.head_size).read  # noqa: E731
-            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write,
-                                  read_layer)
-            return out
+            return rounds_after(self, layer, query, kv_cache, attn_metadata, out, AttentionType.DECODER,
+                                lambda kv: PagedKV(kv, layer.isa, self.head_size))
 
     class EvictingCPUBackend(CPUAttentionBackend):
         """``CPU_ATTN`` with the eviction rounds (vLLM's kernel and metadata builder unchanged)."""

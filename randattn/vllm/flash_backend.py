@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import state
-from .backend import layer_index, layer_kv_cache
+from .backend import rounds_after
 
 __all__ = ["FlashPagedKV"]  # EvictingFlashAttentionBackend, EvictingFlashAttentionImpl: built on first use
 
@@ -92,20 +92,12 @@ def _flash_classes():
                     output_block_scale=None):
             out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                   output_block_scale)
-            plan = state.current()
-            if plan is None or not plan.work or attn_metadata is None or self.attn_type != AttentionType.DECODER:
-                return out  # most decode steps: no request runs a round or buffers queries
-            if str(self.kv_cache_dtype) not in ("auto", "float16", "bfloat16", "float32"):
+            if state.current() is not None and str(self.kv_cache_dtype) not in ("auto", "float16", "bfloat16",
+                                                                                 "float32"):
                 raise RuntimeError(f"randattn.vllm: a quantized KV cache ({self.kv_cache_dtype}) cannot be compacted "
                                    "exactly; drop kv_cache_dtype (vllm serve --kv-cache-dtype auto)")
-            if self._layer_idx is None:
-                self._layer_idx = layer_index(getattr(layer, "layer_name", ""))
-            paged = FlashPagedKV(kv_cache, self.head_size)
-            q = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-            read_layer = lambda i: FlashPagedKV(layer_kv_cache(i), self.head_size).read  # noqa: E731
-            state.after_attention(plan, self._layer_idx, q, self.scale, self.num_kv_heads, paged.read, paged.write,
-                                  read_layer)
-            return out
+            return rounds_after(self, layer, query, kv_cache, attn_metadata, out, AttentionType.DECODER,
+                                lambda kv: FlashPagedKV(kv, self.head_size))
 
     class EvictingFlashAttentionBackend(FlashAttentionBackend):
         """``FLASH_ATTN`` with the eviction rounds (vLLM's kernel and metadata builder unchanged)."""
