@@ -152,6 +152,9 @@ class RunConfig(Config):
     restart: bool = option(False, "discard earlier results of this configuration (only files randattn wrote)")
     no_figure: bool = option(False, "do not draw the figure")
     figure_dir: Optional[str] = option(None, "where the figure goes (default: figures/ under the current folder)")
+    processes: int = option(0, "processes running the units side by side, one torch thread each (0: auto, 2 on a "
+                               "CPU with 2+ cores when the model is small enough, else 1); the rows are the same",
+                            check=NONNEGATIVE)
 
     def validate(self) -> None:
         super().validate()

@@ -312,13 +312,13 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
         # One progress bar (and one "already there" line) per run of consecutive units of one stage; a caller's
         # ``desc`` names them all.
         for stage, group in itertools.groupby(plan.units, key=lambda u: desc or u.stage or plan.kind):
-            _run_group(list(group), files, model, tok, stage)
+            _run_group(list(group), files, model, tok, stage, getattr(plan.config, "processes", 1))
         if plan.then is None:
             return files
         plan = plan.then({path: rf.rows for path, rf in files.items()})
 
 
-def _run_group(group: list[Unit], files: dict, model, tok, desc: str) -> None:
+def _run_group(group: list[Unit], files: dict, model, tok, desc: str, processes: int = 1) -> None:
     todo = []
     for u in group:
         rf = files[u.output]
@@ -334,7 +334,13 @@ def _run_group(group: list[Unit], files: dict, model, tok, desc: str) -> None:
                    + "; --restart recomputes everything")
     if todo:
         bar = tqdm(total=total, initial=total - left, desc=desc, unit="batch")
+        from .unit_pool import pool_size, run_pool
+
+        n = pool_size(processes, model, todo)
         try:
+            if n > 1:  # side by side, one thread each (probes.unit_pool); the same rows, appended in this order
+                run_pool(todo, files, n, str(getattr(model, "device", "cpu")), bar)
+                return
             for u in todo:  # a unit's kind names its runner (the planted-fact probes share one)
                 for rows in kind(u.kind).run_unit(model, tok, u):
                     files[u.output].append(rows)

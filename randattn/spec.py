@@ -183,6 +183,13 @@ class EvictionSpec:
             raise SettingError(exc.field, text, where=f"{where}:{line}" if line else where,
                                key=key, accepted=accepted) from None
 
+    def __reduce__(self):
+        """Pickled as its given fields (``options`` a plain dict): unpickling checks and resolves it again, so a spec
+        crosses into another process (``probes.unit_pool``) as the same setting."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        given["options"] = dict(given["options"])
+        return (_rebuild, (type(self), given))
+
     @classmethod
     def full(cls) -> "EvictionSpec":
         """Full attention: a cache that never evicts (what a probe's ``full`` arm runs)."""
@@ -321,3 +328,8 @@ def _seed(seed):
         return _check_seed(seed)
     except ValueError as exc:
         raise SpecError("seed", str(exc)) from exc
+
+
+def _rebuild(cls, given: dict) -> "EvictionSpec":
+    """An :class:`EvictionSpec` from its pickled fields (:meth:`EvictionSpec.__reduce__`)."""
+    return cls(**given)

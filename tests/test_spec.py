@@ -291,3 +291,17 @@ def test_load_model_gives_the_model_its_ref(tmp_path, tiny):
     ref = randattn.ModelRef.of_model(loaded)
     assert (ref.name, ref.path, ref.embedded) == (str(tmp_path), str(tmp_path), None)
     assert randattn.ModelRef.of_model(model).embedded is None  # a model loaded another way: its config's name
+
+
+def test_a_spec_pickles_as_the_same_setting():
+    """Units cross into worker processes (probes.unit_pool) with their spec: unpickled, it is checked and resolved
+    again, equal field for field, with the same cache options."""
+    import pickle
+
+    from randattn.spec import EvictionSpec
+
+    for spec in (EvictionSpec("random", budget=64, buffer=8, protect_prompt=False, seed=5), EvictionSpec.full(),
+                 EvictionSpec("streamingllm", budget=64, buffer=8, options={"n_sink": 2}),
+                 EvictionSpec("triattention", budget=64, buffer=8, stats="smollm2-135m")):
+        back = pickle.loads(pickle.dumps(spec))
+        assert back == spec and back.cache_options == spec.cache_options and back.recent_window == spec.recent_window
