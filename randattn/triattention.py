@@ -264,6 +264,12 @@ def check_stats(stats: "TriAttentionStats | str | os.PathLike | dict", model) ->
     (layer count, query heads, KV heads, head_dim); returns the loaded statistics."""
     st = load_stats(stats)
     want = _model_shape(model)
+    made_for = st.meta.get("model_type")
+    if made_for and made_for != want["model_type"]:
+        raise ValueError(
+            f"TriAttention statistics were made for a {made_for} model ({st.meta.get('name_or_path', '?')}), not for "
+            f"this {want['model_type']} model ({_model_name(model)}); calibrate this model with `{CALIBRATE_HINT}`"
+        )
     found = {
         "num_layers": st.num_layers,
         "num_heads": st.num_heads,
@@ -278,6 +284,11 @@ def check_stats(stats: "TriAttentionStats | str | os.PathLike | dict", model) ->
             f"model with `{CALIBRATE_HINT}`"
         )
     return st
+
+
+def _model_name(model) -> str:
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "name_or_path", None) or getattr(cfg, "_name_or_path", None) or "?"
 
 
 def _future_rotation(seq_len: int, offsets: Sequence[int], inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,3 +131,31 @@ def test_triattention_shared_keep_set_equals_the_hf_engine(tmp_path):
 def test_triattention_without_statistics_is_refused_with_the_option_to_pass():
     problem = state.policy_problem(vcfg.parse_config({"policy": "triattention", "budget": 64, "buffer": 8}))
     assert problem and "'options': {'stats': 'smollm2-135m'}" in problem
+
+
+def _engine_config(policy_options: dict, **hf):
+    """A stand-in for vLLM's config with what the start-up checks read (no vLLM needed)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, Qwen3Config
+
+    arch = hf.pop("arch", "llama")
+    shape = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
+    shape.update(hf)
+    model = SimpleNamespace(model="served-model", enforce_eager=True,
+                            hf_config=(LlamaConfig if arch == "llama" else Qwen3Config)(**shape))
+    return SimpleNamespace(additional_config={"randattn": {"policy": "triattention", "budget": 256, "buffer": 32,
+                                                           "options": policy_options}},
+                           model_config=model, cache_config=None, speculative_config=None, scheduler_config=None)
+
+
+def test_triattention_statistics_for_another_model_are_refused_at_start_up():
+    from randattn.vllm import checks
+
+    matching = _engine_config({"stats": "smollm2-135m"})
+    assert not [p for p in checks.engine_problems(matching, platform="cpu") if "statistics" in p]
+    other_type = checks.engine_problems(_engine_config({"stats": "smollm2-135m"}, arch="qwen3"), platform="cpu")
+    assert any("made for a llama model" in p and "served-model" in p and "qwen3" in p for p in other_type), other_type
+    other_shape = checks.engine_problems(_engine_config({"stats": "smollm2-135m"}, num_hidden_layers=24),
+                                         platform="cpu")
+    assert any("num_layers 30 (model has 24)" in p for p in other_shape), other_shape

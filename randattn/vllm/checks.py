@@ -99,6 +99,32 @@ def _platform() -> Optional[str]:
     return str(getattr(current_platform, "device_type", "") or "") or None
 
 
+def _stats_problem(vllm_config: Any) -> Optional[str]:
+    """TriAttention's statistics checked against the served model at start-up, as the HF engine checks them at bind
+    (:func:`randattn.triattention.check_stats`: the model type they were made for, then the shapes): a file made for
+    another model is refused here, naming both models, not at the first round."""
+    from types import SimpleNamespace
+
+    from ..triattention import check_stats
+    from .config import read_config
+
+    try:
+        cfg = read_config(getattr(vllm_config, "additional_config", None))
+    except Exception:  # a bad section is refused by configure, with its own message
+        return None
+    model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_config", None)
+    stats = cfg.spec.cache_options.get("stats") if cfg is not None else None
+    if stats is None or hf is None:
+        return None
+    try:
+        check_stats(stats, SimpleNamespace(config=hf))
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        return (f"the TriAttention statistics in options['stats'] cannot serve the model "
+                f"{getattr(model, 'model', '?')!r}: {exc}")
+    return None
+
+
 def engine_problems(vllm_config: Any, *, platform: Optional[str] = None) -> list[str]:
     """Every setting of ``vllm_config`` the plugin refuses, one sentence each naming the option that fixes it.
     ``platform`` defaults to vLLM's current one."""
@@ -140,6 +166,9 @@ def engine_problems(vllm_config: Any, *, platform: Optional[str] = None) -> list
         name = cls if isinstance(cls, str) or cls is None else f"{cls.__module__}.{cls.__qualname__}"
         if name not in (None, SCHEDULER, "vllm.v1.core.sched.scheduler.Scheduler"):
             out.append(f"scheduler_cls is {name!r}; the plugin needs its own ({SCHEDULER}): drop scheduler_cls")
+    stats = _stats_problem(vllm_config)
+    if stats is not None:
+        out.append(stats)
     if model is not None:
         why = _layer_problem(model)
         if why is not None:
