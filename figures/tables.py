@@ -463,6 +463,20 @@ def bench_pack() -> list[str]:
             f"one-at-a-time rows: {m['rows_equal']} of {m['rows_compared']}.", "", bench_footer(rel, command)]
 
 
+def bench_main_job() -> list[str]:
+    rel = "bench/main_job.json"
+    data = read_json(rel)
+    m = data["meta"]
+    body = [[str(r["instances"]), f"{r['old_s']:.0f} s", f"{r['new_s']:.0f} s", f"**{r['x_faster']:.2f}×**",
+             "identical" if r["rows_identical"] else "**differ**"] for r in data["rows"]]
+    sizes = " ".join(str(r["instances"]) for r in data["rows"])
+    extra = f" --new-args {' '.join(m['new_args'])}" if m.get("new_args") else ""
+    return markdown(["--instances", f"old ({m['baseline']})", f"new ({m['new']})", "× faster", "rows (floats exact)"],
+                    body) + ["", f"*From `data/results/{rel}` (`python -m bench.main_job --baseline {m['baseline']} "
+                                 f"--instances {sizes}{extra}`; measured {m['date']} on {m['cores']} cores "
+                                 f"({m['machine']}), one command at a time, nothing else running).*"]
+
+
 def bench_equal_memory() -> list[str]:
     rel = "bench/equal_memory.json"
     rows = read_json(rel)["rows"]
@@ -559,7 +573,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
-    "bench_pack": bench_pack, "bench_vllm": bench_vllm,
+    "bench_pack": bench_pack, "bench_vllm": bench_vllm, "bench_main_job": bench_main_job,
 }
 
 
