@@ -15,11 +15,11 @@ import multiprocessing
 import os
 import pickle
 from concurrent.futures import ProcessPoolExecutor
-from typing import Optional
+from typing import Callable, Container, Optional
 
 import torch
 
-_WORKER = None  # this process's grid_backends.Worker (in a pool process)
+_WORKER: dict = {}  # this process's device and loaded model (in a pool process)
 
 
 def _cores() -> int:
@@ -36,13 +36,12 @@ def _ram() -> Optional[int]:
         return None
 
 
-def pool_size(processes: int, model, units: list) -> int:
+def pool_size(processes: int, model, units: list, known: Container[str]) -> int:
     """How many processes run ``units``: ``processes`` when given (>= 1); else (0, auto) 2 on a CPU with two or more
     cores where torch may use two or more threads (``OMP_NUM_THREADS=1`` asks for one core: one process), when two
-    more copies of the model fit in a quarter of the RAM and every unit is of a registered kind that pickles, else 1
-    (a GPU, a large model, a kind made in this process, or fewer than two units)."""
-    from .units import KINDS
-
+    more copies of the model fit in a quarter of the RAM and every unit is of a kind in ``known`` (the registered
+    kinds, which a new process can import) and pickles, else 1 (a GPU, a large model, a kind made in this process,
+    or fewer than two units)."""
     if processes:
         return max(1, min(processes, len(units)))
     if (len(units) < 2 or getattr(model, "device", torch.device("cpu")).type != "cpu" or _cores() < 2
@@ -50,7 +49,7 @@ def pool_size(processes: int, model, units: list) -> int:
         return 1
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ram = _ram()
-    if ram is None or 2 * weights > ram / 4 or any(u.kind not in KINDS for u in units):
+    if ram is None or 2 * weights > ram / 4 or any(u.kind not in known for u in units):
         return 1
     try:
         pickle.dumps(units)
@@ -59,26 +58,37 @@ def pool_size(processes: int, model, units: list) -> int:
     return 2
 
 
-def _start(device: str, cwd: str) -> None:
-    global _WORKER
-    from .grid_backends import Worker
+def _start(device: str, cwd: str, resolve: Callable) -> None:
+    # The worker's own set-up, not grid_backends.Worker's: that module imports probes.units, which imports this one.
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)  # so relative paths and MODULE:CALLABLE selectors resolve as on the driver
+    torch.set_num_threads(1)
+    _WORKER.update(device=device, resolve=resolve, name=None, model=None)
 
-    _WORKER = Worker(device=device, threads=1, cwd=cwd)
+
+def _load(name: str):
+    if name != _WORKER["name"]:
+        import randattn
+
+        _WORKER["model"] = None
+        _WORKER["model"] = randattn.load_model(name, device=_WORKER["device"])
+        _WORKER["name"] = name
+    return _WORKER["model"]
 
 
 def _run(unit) -> list[list[dict]]:
     """One unit's rows, part by part (in a pool process)."""
-    from .units import kind
-
-    model, tok = _WORKER._load(unit.model)
+    model, tok = _load(unit.model)
     with torch.no_grad():
-        return [list(rows) for rows in kind(unit.kind).run_unit(model, tok, unit)]
+        return [list(rows) for rows in _WORKER["resolve"](unit.kind).run_unit(model, tok, unit)]
 
 
-def run_pool(todo: list, files: dict, n: int, device: str, bar) -> None:
-    """Run ``todo`` in ``n`` processes; append each part's rows to its file in plan order as the loop would."""
+def run_pool(todo: list, files: dict, n: int, device: str, bar, resolve: Callable) -> None:
+    """Run ``todo`` in ``n`` processes; append each part's rows to its file in plan order as the loop would.
+    ``resolve(name)`` is the kind of that name (``probes.units.kind``, passed by reference: this module is imported
+    by ``probes.units`` and must not import it back)."""
     ctx = multiprocessing.get_context("spawn")  # a fork of a process holding torch threads can deadlock
-    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_start, initargs=(device, os.getcwd())) as pool:
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_start, initargs=(device, os.getcwd(), resolve)) as pool:
         futures = [pool.submit(_run, u) for u in todo]
         try:
             for unit, future in zip(todo, futures):

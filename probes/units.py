@@ -336,10 +336,10 @@ def _run_group(group: list[Unit], files: dict, model, tok, desc: str, processes:
         bar = tqdm(total=total, initial=total - left, desc=desc, unit="batch")
         from .unit_pool import pool_size, run_pool
 
-        n = pool_size(processes, model, todo)
+        n = pool_size(processes, model, todo, KINDS)
         try:
             if n > 1:  # side by side, one thread each (probes.unit_pool); the same rows, appended in this order
-                run_pool(todo, files, n, str(getattr(model, "device", "cpu")), bar)
+                run_pool(todo, files, n, str(getattr(model, "device", "cpu")), bar, kind)
                 return
             for u in todo:  # a unit's kind names its runner (the planted-fact probes share one)
                 for rows in kind(u.kind).run_unit(model, tok, u):

@@ -31,22 +31,24 @@ class _Unit:
 
 
 def test_auto_rule(tiny, monkeypatch):
+    from probes.units import KINDS
+
     model = tiny("llama")
     units = [_Unit("planted"), _Unit("planted")]
     monkeypatch.setattr(unit_pool, "_cores", lambda: 2)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert unit_pool.pool_size(0, model, units) == 2
-        assert unit_pool.pool_size(0, model, units[:1]) == 1  # one unit: nothing to share
-        assert unit_pool.pool_size(0, model, [_Unit("made-here"), _Unit("planted")]) == 1  # not importable there
-        assert unit_pool.pool_size(3, model, units) == 2  # never more processes than units
+        assert unit_pool.pool_size(0, model, units, KINDS) == 2
+        assert unit_pool.pool_size(0, model, units[:1], KINDS) == 1  # one unit: nothing to share
+        assert unit_pool.pool_size(0, model, [_Unit("made-here"), _Unit("planted")], KINDS) == 1  # not importable there
+        assert unit_pool.pool_size(3, model, units, KINDS) == 2  # never more processes than units
         monkeypatch.setattr(unit_pool, "_ram", lambda: 1000)  # two more copies do not fit
-        assert unit_pool.pool_size(0, model, units) == 1
+        assert unit_pool.pool_size(0, model, units, KINDS) == 1
         torch.set_num_threads(1)  # OMP_NUM_THREADS=1: one core asked for
         monkeypatch.setattr(unit_pool, "_ram", lambda: 2**40)
-        assert unit_pool.pool_size(0, model, units) == 1
-        assert unit_pool.pool_size(2, model, units) == 2  # unless asked
+        assert unit_pool.pool_size(0, model, units, KINDS) == 1
+        assert unit_pool.pool_size(2, model, units, KINDS) == 2  # unless asked
     finally:
         torch.set_num_threads(threads)
 
