@@ -43,6 +43,11 @@ def passcode_distance(rounds: int, buffer: int, box_width: int) -> int:
     return box_width + (rounds - 1) * buffer + 1
 
 
+def min_rounds(buffer: int) -> int:
+    """The fewest rounds whose distance leaves a query room after the box (the planted builder's ``w + 16``)."""
+    return 1 + -(-15 // buffer)
+
+
 @dataclass
 @eviction(policy=setting("random", help="set per policy from --policies", cli=False),
           policies=setting(randattn.COMPARED_POLICIES, help="policies compared (all evict the passcode too)"),
@@ -64,6 +69,15 @@ class Config(PlantedConfig):
             self.paper = False
         self.distance = passcode_distance(self.rounds, self.buffer, self.box_width)
         super().__post_init__()
+
+    def check(self) -> None:
+        # The distance is derived from --rounds here, so a too-short one is the rounds' fault, not --distance's
+        # (a flag the passcode command line does not have).
+        least = min_rounds(self.buffer)
+        if self.rounds < least:
+            raise ConfigError("rounds", f"--rounds {self.rounds} leaves too few tokens between the {self.box_width}-"
+                                        f"token statement and its query at r={self.buffer}; use >= {least}")
+        super().check()
 
 
 def plan(config: Config, model: ModelInfo) -> Plan:

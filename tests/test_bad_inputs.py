@@ -175,6 +175,8 @@ CLI_ROWS = [
     ("passcode-both-protections", "probes.passcode", PASSCODE + ["--protect-prompt", "--no-protect-prompt"],
      "unrecognized arguments: --protect-prompt"),
     ("passcode-rounds-0", "probes.passcode", PASSCODE + ["--rounds", "0"], "--rounds: must be a positive integer"),
+    ("passcode-rounds-too-few", "probes.passcode", PASSCODE + ["--rounds", "1", "--buffer", "12"],
+     "--rounds: --rounds 1 leaves too few tokens"),
     ("passcode-policy-full", "probes.passcode", PASSCODE + ["--policies", "full"], "--policies: 'full' is unknown"),
     ("passcode-budget-below-stub", "probes.passcode", PASSCODE + ["--budget", "20", "--buffer", "4"], "--budget: T=20"),
     ("passcode-stats-unused", "probes.passcode", PASSCODE + ["--policies", "random", "--stats", "smollm2-135m"],
