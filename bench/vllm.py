@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,9 @@ class Config(BenchBase):
     threads: int = option(2, "CPU threads of every arm", check=POSITIVE)
     memory_utilization: float = option(0.3, "vLLM gpu_memory_utilization (on CPU: the share of RAM it may reserve)",
                                        check=_share)
+    repeats: int = option(1, "runs of every vLLM arm, in rotated order (repeat k starts k arms later), so that "
+                             "drift and order hit every arm alike; times are the medians, ratios to Random's the "
+                             "median of the ratios within each repeat, with their range", check=POSITIVE)
 
     def check(self) -> None:
         self.check_eviction()
@@ -268,6 +272,34 @@ def _arm(arm: str, case: dict, tmp: Path, threads: int) -> list[dict]:
     subprocess.run([sys.executable, "-m", "bench.vllm", "--worker", arm, str(case_path), str(out_path)], env=env,
                    check=True)
     return json.loads(out_path.read_text())
+
+
+def rotated(arms: list, rep: int) -> list:
+    """The arms' order in repeat ``rep``: the list rotated by ``rep`` (repeat 0 runs them as given)."""
+    k = rep % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
+
+
+def summarize_runs(rows: list[dict]) -> dict:
+    """One arm's row over its repeats: the first repeat's counters and tokens (every repeat must generate the same
+    tokens: greedy, the same keys), the median wall and CPU seconds (and each repeat's, with ``repeats``)."""
+    first = dict(rows[0])
+    if len(rows) == 1:
+        return first
+    if any(r["tokens"] != first["tokens"] for r in rows[1:]):
+        raise RuntimeError(f"{first['arm']}: repeats generated different tokens; the arms are not deterministic here")
+    for key in ("wall_s", "cpu_s"):
+        first[f"{key}_runs"] = [r[key] for r in rows]
+        first[key] = statistics.median(first[f"{key}_runs"])
+    if first.get("round_s"):
+        first["round_s"] = {k: statistics.median(r["round_s"][k] for r in rows) for k in first["round_s"]}
+    first["repeats"] = len(rows)
+    return first
+
+
+def paired_ratios(random_runs: list[dict], arm_runs: list[dict]) -> list[float]:
+    """Random's total tokens/s over the arm's, within each repeat (the same requests, so the ratio of wall times)."""
+    return [a["wall_s"] / r["wall_s"] for r, a in zip(random_runs, arm_runs)]
 
 
 def _paper_protection(policy: str) -> bool:
@@ -307,12 +339,16 @@ def main(argv=None) -> int:
             "max_model_len": -(-longest // args.block_size) * args.block_size, "threads": args.threads,
             "memory_utilization": args.memory_utilization, "hf_batches": list(args.hf_batches), "dtype": args.dtype,
             "stats": args.triattention_stats, "protect": {arm: _paper_protection(pol) for arm, pol in EVICTING.items()}}
+    vllm_arms = [a for a in args.arms if a != "hf random"]
+    runs: dict = {a: [] for a in vllm_arms}  # every repeat's row of each vLLM arm
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in args.arms:
-            if arm == "hf random" and not args.hf_batches:
-                continue
-            rows += _arm(arm, case, Path(tmp), args.threads)
+        for rep in range(args.repeats):
+            for arm in rotated(vllm_arms, rep):
+                runs[arm] += _arm(arm, case, Path(tmp), args.threads)
+        if "hf random" in args.arms and args.hf_batches:
+            rows += _arm("hf random", case, Path(tmp), args.threads)
+    rows = [summarize_runs(runs[a]) for a in vllm_arms] + rows
     by_arm = {r["arm"]: r for r in rows if r["arm"] != "hf random"}
     full = by_arm.get("vllm full")
     for r in rows:
@@ -323,8 +359,15 @@ def main(argv=None) -> int:
     rnd = by_arm.get("vllm random")
     for r in rows:
         r["x_vllm_full"] = r["total_tokens_per_s"] / full["total_tokens_per_s"] if full else None
-        # the paper's serving headline: Random's throughput over each arm's at the same pool, T and r
-        r["x_vllm_random"] = rnd["total_tokens_per_s"] / r["total_tokens_per_s"] if rnd else None
+        # the paper's serving headline: Random's throughput over each arm's at the same pool, T and r; with
+        # repeats, the median of the ratios within each repeat (both arms ran in it, at neighbouring times)
+        r["x_vllm_random"] = None
+        if rnd:
+            ratios = paired_ratios(runs["vllm random"], runs.get(r["arm"], [])) if r["arm"] in runs else []
+            r["x_vllm_random"] = (statistics.median(ratios) if ratios
+                                  else rnd["total_tokens_per_s"] / r["total_tokens_per_s"])
+            if len(ratios) > 1:
+                r["x_vllm_random_range"] = [min(ratios), max(ratios)]
     if rnd and full:  # do the two vLLM arms agree on tokens? (they must not: eviction changes text; how much)
         same = [a == b for a, b in zip(rnd["tokens"], full["tokens"])]
         rnd["same_tokens_as_full"] = sum(same)
@@ -352,7 +395,7 @@ def main(argv=None) -> int:
             "buffer": args.buffer, "block_size": args.block_size, "blocks": blocks, "full_blocks_per_request":
             full_blocks, "capped_blocks_per_request": cap_blocks, "max_model_len": case["max_model_len"],
             "prompt_lengths": [min(map(len, prompts)), max(map(len, prompts))], "hf_batches": list(args.hf_batches),
-            "arms": list(args.arms), "triattention_stats": args.triattention_stats}
+            "arms": list(args.arms), "triattention_stats": args.triattention_stats, "repeats": args.repeats}
     write_results(args.out, meta, rows)
     print(f"wrote {args.out}")
     return 0

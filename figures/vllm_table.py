@@ -16,7 +16,8 @@ def command(meta: dict) -> str:
         f'"{a}"' for a in arms)
     return (f".venv-vllm/bin/python -m bench.vllm --requests {meta['requests']} --new-tokens {meta['new_tokens']} "
             f"--budget {meta['budget']} --buffer {meta['buffer']} --block-size {meta['block_size']} --blocks "
-            f"{meta['blocks']} --hf-batches {hf} --threads {meta['torch_threads']}{arms}")
+            f"{meta['blocks']} --hf-batches {hf} --threads {meta['torch_threads']}{arms}"
+            + (f" --repeats {meta['repeats']}" if meta.get("repeats", 1) > 1 else ""))
 
 
 _LABELS = {"vllm full": "vLLM, full attention", "vllm random": "vLLM + randattn Random",
@@ -37,6 +38,14 @@ def _rounds(r: dict) -> str:
             + (f" / {t['accumulate']:.1f}" if t.get("accumulate") else ""))
 
 
+def _ratio(r: dict) -> str:
+    """Random's tokens/s over the arm's; with repeats, the median of the within-repeat ratios and their range."""
+    if not r.get("x_vllm_random"):
+        return "–"
+    lo_hi = r.get("x_vllm_random_range")
+    return f"{r['x_vllm_random']:.2f}×" + (f" ({lo_hi[0]:.2f}–{lo_hi[1]:.2f})" if lo_hi else "")
+
+
 def table() -> list[str]:
     data = read_json(REL)
     m, rows = data["meta"], data["rows"]
@@ -46,7 +55,7 @@ def table() -> list[str]:
         body.append([_arm(r), f"{r['kv_bytes'] / 2**20:,.1f}", f"{r['wall_s']:.0f} s", f"{r['total_tokens_per_s']:.1f}",
                      f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_cpu_s']:.1f}",
                      f"{r['cpu_s'] / r['wall_s']:.2f}", f"**{r['x_vllm_full']:.2f}×**" if r["x_vllm_full"] else "–",
-                     f"{r['x_vllm_random']:.2f}×" if r.get("x_vllm_random") else "–", _rounds(r),
+                     _ratio(r), _rounds(r),
                      f"{r['requests_finished']} / {r['batch']}",
                      str(r["peak_blocks_used"]) if vllm else "–",
                      f"{r['running_steps'] / r['steps']:.1f}" if vllm else str(r["batch"]), str(r["max_running"]),
@@ -64,6 +73,10 @@ def table() -> list[str]:
             "vLLM + Random's total tokens/s over the arm's (the paper's serving headline is this ratio against its "
             "strongest selector). Rounds: the evicting arm's seconds in the plugin's rounds, scoring / selecting / "
             "moving the held pairs (read + compacted write) / H2O's attention pass.")
+    if m.get("repeats", 1) > 1:
+        note += (f" Every vLLM arm ran {m['repeats']} times, the arms' order rotated by one each repeat; wall, CPU and "
+                 "round seconds are the medians, Random ÷ this the median of the ratios within each repeat (range in "
+                 "brackets).")
     hf = [r for r in rows if "same_tokens_as_vllm_random" in r]
     if hf:
         note += (" Requests whose new tokens all equal vLLM + Random's (the same keys): "

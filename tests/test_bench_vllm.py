@@ -113,3 +113,44 @@ def test_a_small_run_writes_every_arm(tmp_path, monkeypatch):
     assert data["meta"]["vllm"] == "0.32.0" and data["rows"][0]["x_vllm_full"] == 1.0
     text = _rendered(tmp_path / "docs", monkeypatch, data)
     assert "HF engine (EvictingCache Random), batch 2" in text
+
+
+def test_repeats_rotate_the_order_and_pair_ratios_within_a_repeat():
+    """``--repeats`` (issue 39): every arm runs in every position once over len(arms) repeats, an arm's times are the
+    medians of its repeats, and Random's ratio to an arm is the median of the ratios within each repeat (the two ran
+    at neighbouring times), not a ratio of medians from different moments."""
+    from bench.vllm import paired_ratios, rotated, summarize_runs
+
+    arms = ["vllm full", "vllm random", "vllm triattention"]
+    orders = [rotated(arms, k) for k in range(3)]
+    assert orders[0] == arms and {tuple(o) for o in orders} == {tuple(arms[k:] + arms[:k]) for k in range(3)}
+    assert all(sorted(o.index(a) for o in orders) == [0, 1, 2] for a in arms)  # every arm in every position once
+
+    def run(arm, wall, cpu, tokens=((1, 2),)):
+        return {"arm": arm, "wall_s": wall, "cpu_s": cpu, "tokens": [list(t) for t in tokens],
+                "round_s": {"score": wall / 10, "select": 1.0}}
+
+    rnd = [run("vllm random", w, 2 * w) for w in (100.0, 130.0, 90.0)]
+    tri = [run("vllm triattention", w, 2 * w) for w in (110.0, 120.0, 99.0)]
+    s = summarize_runs(tri)
+    assert s["wall_s"] == 110.0 and s["wall_s_runs"] == [110.0, 120.0, 99.0] and s["cpu_s"] == 220.0
+    assert s["repeats"] == 3 and s["round_s"] == {"score": 11.0, "select": 1.0}
+    ratios = paired_ratios(rnd, tri)
+    assert ratios == pytest.approx([1.1, 120 / 130, 1.1])  # the ratio of medians (110/100) would hide the middle one
+    assert summarize_runs(rnd[:1]) == rnd[0]  # one repeat: the row as it was
+    with pytest.raises(RuntimeError, match="different tokens"):
+        summarize_runs([run("vllm random", 1.0, 1.0), run("vllm random", 1.0, 1.0, tokens=((1, 3),))])
+
+
+def test_the_table_shows_the_range_of_repeated_ratios(tmp_path, monkeypatch):
+    counters = dict(peak_blocks_used=8, running_steps=30, steps=10, preemptions=2, tokens_computed=1234)
+    rows = [_row("vllm random", 4, 4.0, **counters), _row("vllm triattention", 4, 4.4, **counters)]
+    for r in rows:
+        r["x_vllm_full"] = None
+    rows[0]["x_vllm_random"], rows[1]["x_vllm_random"], rows[1]["x_vllm_random_range"] = 1.0, 1.1, [0.92, 1.1]
+    meta = {"requests": 4, "new_tokens": 100, "budget": 64, "buffer": 16, "block_size": 32, "blocks": 8,
+            "hf_batches": [1], "torch_threads": 2, "prompt_lengths": [5, 13], "full_blocks_per_request": 4,
+            "capped_blocks_per_request": 2, "vllm": "0.32.0", "torch": "2.13.0+cpu", "git": "abc1234",
+            "engine": "paper", "date": "2026-12-02", "repeats": 3, "arms": ["vllm random", "vllm triattention"]}
+    text = _rendered(tmp_path, monkeypatch, {"meta": meta, "rows": rows})
+    assert "1.10× (0.92–1.10)" in text and "--repeats 3" in text and "ran 3 times" in text
