@@ -1,5 +1,6 @@
 """Accuracy analysis: per-arm accuracy with CIs, paired, problem-clustered comparisons with Random (accuracy and
-generation length), protection gains, and the methods x budgets table."""
+generation length), protection gains, the methods x budgets table, and any other per-row endpoint compared the same way
+(:func:`endpoint_summary`: the repeat task's copies written and their fidelity, the reference log-prob)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> 
                 "terminated": float(np.mean([r["terminated"] for r in rs])),
                 "events": float(np.mean([r["events"] for r in rs])),
                 "uncompressed": 0 if arm.policy == FULL else sum(not r["compressed"] for r in rs)}
+        if any("copies" in r for r in rs):  # the repeat task's two endpoints beside its grade (= the fidelity)
+            fid = [r["fidelity"] for r in rs if r.get("fidelity") is not None]
+            line.update({"copies": float(np.mean([r["copies"] for r in rs])),
+                         "fidelity": float(np.mean(fid)) if fid else None})
         ref = next((b for b in (Arm("random", arm.budget, arm.protect), Arm("random", arm.budget, True))
                     if b in grades and b != arm), None)
         if arm.policy == FULL:
@@ -77,6 +82,36 @@ def summarize(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> 
                          "len_verdict": {"better": "longer", "worse": "shorter"}.get(n.verdict, n.verdict)})
         table.append(line)
     return table
+
+
+def endpoint_summary(rows: list[dict], field: str, *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:
+    """One line per arm for the per-row endpoint ``field`` (rows where it is None left out: a repeat generation without
+    a copy has no fidelity, an empty reference no log-prob): its mean over problems (runs averaged within a problem)
+    with a 95% bootstrap CI, and the paired, problem-clustered comparison with Random at the same K and protection
+    (:func:`randattn.stats.paired_comparison`, runs as repeated measures; full attention against protected Random), as
+    :func:`summarize` compares grades."""
+    values = {a: {p: [v for v in vs if v is not None] for p, vs in g.items()}
+              for a, g in grades_by_arm([r for r in rows if field in r], field).items()}
+    values = {a: {p: vs for p, vs in g.items() if vs} for a, g in values.items()}
+    values = {a: g for a, g in values.items() if g}
+    order = sorted(values, key=lambda a: (a.policy != FULL, a.budget or 0, not a.protect, a.policy))
+    out = []
+    for arm in order:
+        g = values[arm]
+        est = mean_ci(list(per_problem_means(g).values()), seed=seed)
+        line = {"method": arm.label, "policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect,
+                "field": field, "problems": len(g), "runs": max(len(v) for v in g.values()), **est.as_dict("value")}
+        ref = next((b for b in (Arm("random", arm.budget, arm.protect), Arm("random", arm.budget, True))
+                    if b in values and b != arm), None)
+        if arm.policy == FULL:
+            ref = next((b for b in order if b.policy == "random" and b.protect), None)
+        if ref is not None and set(g) & set(values[ref]):
+            c = paired_comparison(g, values[ref], n_resamples=n_resamples, seed=seed)
+            line.update({"vs": ref.label + ("" if arm.policy != FULL else f" K={ref.budget}"),
+                         **c.delta.as_dict("delta"), "p_bootstrap": c.p_bootstrap, "wins": c.sign.wins,
+                         "losses": c.sign.losses, "ties": c.sign.ties, "p_sign": c.sign.p, "verdict": c.verdict})
+        out.append(line)
+    return out
 
 
 def protection_gains(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_000) -> list[dict]:

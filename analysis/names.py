@@ -11,8 +11,8 @@ mapping) or of any object with those attributes (a probe's ``Config``), with key
 (``model=...`` where the configuration holds none, or a per-file ``policy``). The fields are the record's:
 ``model`` (its last path part), ``policy``, ``policy_options``, ``budget`` (T), ``buffer`` (r), ``distance``,
 ``seed``, ``protect_prompt``, and per probe ``task``, ``rounds``, ``sequences``, ``batch``, ``body``, ``length``,
-``max_new_tokens``, ``temperature``, ``top_p``, ``pack``, ``quick``. Every shipped rows file is named by its own
-recorded configuration (tests/test_result_names.py).
+``max_new_tokens``, ``temperature``, ``top_p``, ``pack``, ``reference_tokens``, ``quick``. Every shipped rows file is
+named by its own recorded configuration (tests/test_result_names.py).
 
 :data:`SHIPPED` holds the configurations of the results shipped under ``data/results`` (the runs the docs report)
 and :func:`shipped_name` their paths relative to that folder: the figures' and tables' default inputs.
@@ -136,6 +136,13 @@ def _beside(rows: Callable[[_Fields], str], suffix: str) -> Callable[[_Fields], 
     return lambda c: rows(c)[: -len(".jsonl")] + suffix
 
 
+def _reference_lp(c: _Fields) -> str:
+    """The accuracy harness's teacher-forced reference log-prob rows (``--reference-lp``), beside its generation rows;
+    ``-t<N>`` when only the reference's first N tokens are scored (``--reference-tokens``)."""
+    tokens = c.get("reference_tokens")
+    return _accuracy(c)[: -len(".jsonl")] + ".reference_lp" + (f"-t{tokens}" if tokens else "") + ".jsonl"
+
+
 def _autopsy(c: _Fields) -> str:
     return (f"{c.model}-{c['task']}-{policy_slug(c['policy'])}-{c.tag}-K{c['budget']}-r{c['buffer']}"
             f"-s{c['seed']}.jsonl")
@@ -166,10 +173,13 @@ FAMILIES: dict[str, dict[str, Callable[[_Fields], str]]] = {
     "prompt_protection": {"rows": _prompt_protection, "summary": _beside(_prompt_protection, ".summary.csv")},
     "survival": {"rows": _survival},
     "accuracy": {"rows": _accuracy, **{part: _beside(_accuracy, f".{part}.csv")
-                                       for part in ("summary", "protection", "table")}},
+                                       for part in ("summary", "protection", "table")},
+                 "reference_lp": _reference_lp},
     "autopsy": {"rows": _autopsy, "summary": _autopsy_summary},
     "challenge": {"folder": _challenge},
     "leaderboard": {"folder": _leaderboard, "table": lambda c: f"{_leaderboard(c)}/leaderboard.csv"},
+    # a board of leaderboard tasks (probes.board): its folder under data/results/board/ is its name
+    "board": {"folder": lambda c: str(c["name"]), "table": lambda c: f"{c['name']}/board.csv"},
 }
 #: probe -> {part: name function}: every file name a probe composes from its configuration (the registered probes'
 #: from :data:`analysis.registry.PROBES`, then what is no kind: the planted rows, the challenge, the leaderboard's
@@ -178,6 +188,7 @@ PARTS: dict[str, dict[str, Callable[[_Fields], str]]] = {
     "planted": _PLANTED,
     **{p.name: FAMILIES[p.files or p.name] for p in PROBES if (p.files or p.name) in FAMILIES},
     "challenge": FAMILIES["challenge"],
+    "board": FAMILIES["board"],
     # the leaderboard's own task files, inside its folder (copy and repeat are the accuracy probe's files)
     **{f"leaderboard_{task}": {"rows": lambda c, task=task: f"{task}.jsonl"}
        for task in ("question", "passcode", "planted", "cost")},

@@ -26,17 +26,19 @@ def _finite(v) -> bool:
 # The type of each field a summary reads, wherever it appears in a row; and which fields a kind of row (told by the
 # fields it has) must hold. A row that breaks either would count as an extra row, a NaN or a traceback downstream.
 _KINDS = {"an integer": _integer, "a finite number": _finite, "true or false": lambda v: isinstance(v, bool),
-          "a string": lambda v: isinstance(v, str)}
+          "a string": lambda v: isinstance(v, str), "a finite number or null": lambda v: v is None or _finite(v)}
 FIELD_TYPES = {
-    **dict.fromkeys(("instance", "fact", "sequence", "run", "rounds"), "an integer"),
-    **dict.fromkeys(("lp", "nll", "digit_acc", "mean_lp", "grade"), "a finite number"),
+    **dict.fromkeys(("instance", "fact", "sequence", "run", "rounds", "copies", "ref_tokens"), "an integer"),
+    **dict.fromkeys(("lp", "nll", "digit_acc", "mean_lp", "grade", "ref_lp_sum"), "a finite number"),
+    **dict.fromkeys(("fidelity", "ref_lp"), "a finite number or null"),  # none: no copy written, no reference token
     **dict.fromkeys(("retrieved", "protect", "terminated"), "true or false"),
     **dict.fromkeys(("condition", "policy", "arm", "mode", "task", "problem"), "a string"),
 }
-REQUIRED = [  # (fields that tell the kind of row, the fields its summary needs)
+REQUIRED = [  # (fields that tell the kind of row, the fields its summary needs); a row is the first kind it matches
     (("condition", "fact"), ("instance", "lp", "retrieved")),  # planted-fact probes
     (("instance", "protect"), ("policy", "digit_acc", "mean_lp")),  # prompt protection
     (("sequence", "arm"), ("nll",)),  # next-token loss (blocks, shared_draw)
+    (("problem", "run", "ref_lp"), ("policy", "ref_lp_sum", "ref_tokens")),  # accuracy --reference-lp
     (("problem", "run"), ("policy", "grade", "terminated")),  # accuracy
 ]
 
@@ -49,6 +51,7 @@ def check_row(row: dict, where: str) -> None:
                 if k not in row:
                     raise BadRow(f"{where}: field {k!r} is missing (a row with {' and '.join(map(repr, tells))} "
                                  "needs it)")
+            break
     for k, kind in FIELD_TYPES.items():
         if k in row and not _KINDS[kind](row[k]):
             raise BadRow(f"{where}: field {k!r} must be {kind}, got {json.dumps(row[k])}")

@@ -12,7 +12,7 @@ from matplotlib import ticker
 
 from . import style
 
-TASK_ORDER = ("copy", "repeat", "question", "passcode", "planted")
+TASK_ORDER = ("copy", "repeat copies", "repeat fidelity", "repeat", "question", "passcode", "planted")
 
 
 def _num(x):

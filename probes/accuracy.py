@@ -19,6 +19,16 @@ sampling) run ``--runs`` times; ``--temperature T`` samples (``--top-p``), and e
 ``--runs`` times with a sampling seed per run. ``--compression c [c ...]`` sets ``K = mean full-attention
 generation length / c`` on the same problems (full attention is run first when missing).
 
+Reference log-prob (``--reference-lp``): a continuous, teacher-forced endpoint beside the generated one. The reference
+continuation of (problem, run) is full attention's own output for it (greedy: its one run, run 0, for every run of
+the other arms; with ``--temperature > 0`` full attention's sample ``k`` for run ``k``), the stored text re-tokenized
+without special tokens (``--reference-tokens N``: its first N tokens). Every arm, full attention included (the
+ceiling), teacher-forces the prompt plus the reference through its own evicting cache (:func:`randattn.replay`: the
+eviction rounds where token-by-token decoding has them), with the seed (and, packed, the row key) its generation of that
+(problem, run) drew with, and records the mean log-prob per reference token (``ref_lp``), their sum, the tokens scored
+and the rounds that fired. The rows go to ``<results>.reference_lp.jsonl`` beside the generation rows, a stage
+planned after them (full attention is added to ``--policy`` when missing: its outputs are the reference).
+
 Length guard: a row whose generation ended before any eviction round fired (``events == 0``) did
 no compression and is marked ``compressed: false``; the summary warns loudly (the paper's vLLM
 benchmark bug, where "compressed" runs never reached the budget).
@@ -27,7 +37,8 @@ Summary: accuracy per policy with a 95% bootstrap CI, the paired, problem-cluste
 with Random at the same K and protection (mean difference, CI, bootstrap p, exact sign test,
 verdict: significant only when both pass), the protection gain for policies run both ways, and the
 methods x budgets table (Markdown printed; CSV, LaTeX and Markdown written beside the rows), plus
-``figures/accuracy.png``.
+``figures/accuracy.png``; the repeat task's two endpoints (copies written, fidelity of the copies) and the reference
+log-prob per arm, each compared with Random the same way.
 """
 
 from __future__ import annotations
@@ -44,8 +55,8 @@ import numpy as np
 import torch
 
 import randattn
-from analysis.accuracy import (FULL, Arm, protection_gains, summarize, table_results,  # noqa: F401
-                                       warn_uncompressed)
+from analysis.accuracy import (FULL, Arm, endpoint_summary, protection_gains, summarize,  # noqa: F401
+                               table_results, warn_uncompressed)
 from analysis.files import write_text
 from analysis.names import result_name, shipped_name
 from randattn.spec import SpecError
@@ -58,7 +69,7 @@ from .policy_specs import bind_policies, calibration_options, grid_protection, n
 from .results import REPO_ROOT, ResultsFile, out_folder, run_record
 from .sandbox import unavailable as code_sandbox_unavailable
 from .tasks import TASKS, TaskDataError, get_task, has_thinking_mode, load_problems, problem_ids
-from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit, run as run_kind
+from .units import Kind, ModelInfo, Output, Plan, Unit, command, make_unit, run as run_kind, stable_id
 from randattn import seeding
 
 KEY = ("problem", "run", "policy", "budget", "protect_prompt")
@@ -115,6 +126,13 @@ class Config(EvictionConfig):
     unsafe_code_grading: bool = option(False, "code tasks: run the generated programs without the bubblewrap "
                                               "sandbox, with resource limits alone (they can read, write and reach "
                                               "the network as you); only where bwrap cannot be installed")
+    reference_lp: bool = option(False, "also the teacher-forced log-prob of the reference continuation: full "
+                                       "attention's own output for each (problem, run) (greedy: its one run), "
+                                       "re-tokenized, replayed through every arm's cache (full attention's too, the "
+                                       "ceiling) with the seed that arm generated with; rows in "
+                                       "<results>.reference_lp.jsonl (adds full attention to --policy when missing)")
+    reference_tokens: Optional[int] = option(None, "with --reference-lp: score only the first N tokens of the "
+                                                   "reference (default: all of it)", check=POSITIVE)
     options: dict = option({}, "resolved policy options", cli=False)
 
     full_allowed = True
@@ -140,6 +158,10 @@ class Config(EvictionConfig):
         if self.top_p not in (None, 1.0) and (self.temperature == 0 or (self.temperature is None and self.protocol != "grid")):
             raise ConfigError("top_p", "applies only when sampling; greedy decoding (--temperature 0, the default "
                                        "here) ignores it: pass --temperature T > 0 too, or drop --top-p")
+        if self.reference_tokens is not None and not self.reference_lp:
+            raise ConfigError("reference_tokens", "applies only with --reference-lp (it cuts the reference the "
+                                                  "log-prob is scored on): add --reference-lp, or drop "
+                                                  "--reference-tokens")
 
     def resolved(self, model=None) -> "Config":
         """The task's and the protocol's defaults filled in (runs, r, length, sampling, protocol, policy options)."""
@@ -248,18 +270,23 @@ def generate_batch(model, tok, prompts: list[list[int]], arm: Arm, *, seed: int,
     return rows_of(out[:, width:].tolist(), prompt_lens=[len(p) for p in prompts], cache=cache, tok=tok, stop=stop)
 
 
+def rounds_before(cache, end: int, row: int = 0) -> int:
+    """The eviction rounds (of layer 0) that shaped a sequence of ``end`` tokens of batch row ``row``. A round at
+    sequence length s runs after that step's attention, so it shapes tokens from position s + 1 on; rows that stopped
+    early share the cache with rows that go on, so only rounds before this row's end count. A padded batch's rows run
+    their own rounds, at their own lengths."""
+    layer = cache.layers[0] if cache.layers else None
+    fired = [] if layer is None else layer.row_round_lengths[row] if layer.held is not None else layer.round_lengths
+    return sum(s < end - 1 for s in fired)
+
+
 def rows_of(gen: list[list[int]], *, prompt_lens: list[int], cache, tok, stop: set[int]) -> list[dict]:
     """Per generated row: text up to its first stop token, length, EOS, and the eviction rounds that shaped it."""
-    layer = cache.layers[0] if cache.layers else None
     rows = []
     for b, (g, prompt_len) in enumerate(zip(gen, prompt_lens)):
         end = next((i + 1 for i, t in enumerate(g) if t in stop), None)
         length = end if end is not None else len(g)
-        # A round at sequence length s runs after that step's attention, so it shapes tokens from position s + 1 on;
-        # rows that stopped early share the cache with rows that go on, so count only rounds before this row's end.
-        # A padded batch's rows run their own rounds, at their own lengths.
-        fired = [] if layer is None else layer.row_round_lengths[b] if layer.held is not None else layer.round_lengths
-        events = sum(s < prompt_len + length - 1 for s in fired)
+        events = rounds_before(cache, prompt_len + length, b)
         rows.append({"prompt_len": prompt_len, "gen_len": length, "terminated": end is not None, "events": events,
                      "cache_events": cache.events[0] if cache.layers else 0,
                      "output": tok.decode(g[:length], skip_special_tokens=True)})
@@ -281,8 +308,9 @@ def graded_row(task, prob, arm: Arm, run: int, seed: int, out: dict, protocol: O
     g = task.grade(out["output"], prob)
     return {"task": task.name, "problem": prob.id, "run": run, "policy": arm.policy, "budget": arm.budget,
             "protect_prompt": arm.protect, "compression": arm.compression, "seed": seed, **out,
-            "compressed": out["events"] > 0, "grade": g.score, "extracted": g.extracted, "answer": prob.answer,
-            **({"tests": g.details} if g.details is not None else {}), "protocol": protocol, "versions": versions()}
+            "compressed": out["events"] > 0, "grade": g.score, "extracted": g.extracted, **(g.endpoints or {}),
+            "answer": prob.answer, **({"tests": g.details} if g.details is not None else {}), "protocol": protocol,
+            "versions": versions()}
 
 
 def versions() -> dict:
@@ -312,6 +340,91 @@ def pending_batches(arms, problems, prompts, runs_of, done, batch, pack: bool = 
 def row_key(problem_id, run: int) -> str:
     """A packed row's draw key: the same (problem, run) draws the same wherever it sits in any batch."""
     return f"{problem_id}/run{run}"
+
+
+# -- reference log-prob (--reference-lp) -----------------------------------------------------------
+REFERENCE_KEY = KEY
+#: what the reference of a row is, recorded in its file's config
+REFERENCE = "full attention's output text for the (problem, run), re-tokenized without special tokens"
+
+
+def reference_ids(tok, text: str, limit: Optional[int] = None) -> list[int]:
+    """The reference continuation's tokens: the stored output text re-tokenized without special tokens (so not
+    always the very tokens full attention generated, and no end-of-sequence token), its first ``limit`` when given."""
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    return ids[:limit] if limit else ids
+
+
+@torch.no_grad()
+def reference_lp(model, prompt: list[int], reference: list[int], arm: Arm, *, seed: int, buffer: int, stats,
+                 options: dict, row_key=None) -> dict:
+    """Teacher-force ``prompt + reference`` through ``arm``'s cache (a fresh one, seeded as the arm's generation was:
+    ``seed`` and, for a packed generation, its ``row_key``) with :func:`randattn.replay`, which runs the eviction
+    rounds where token-by-token decoding has them; only the reference is scored (``score_from`` = the prompt's
+    length). ``ref_lp``: the mean log-prob per reference token (None for an empty reference), ``ref_lp_sum`` their
+    sum, ``ref_tokens`` how many, ``events`` the rounds that shaped a scored token, ``cache_events`` every round."""
+    if not reference:
+        return {"ref_tokens": 0, "ref_lp": None, "ref_lp_sum": 0.0, "events": 0, "cache_events": 0}
+    ids = torch.tensor([list(prompt) + list(reference)], device=model.device)
+    cache = make_cache(arm, prompt_len=len(prompt), max_new_tokens=len(reference), buffer=buffer, seed=seed,
+                       stats=stats, options=options, row_keys=None if row_key is None else [row_key])
+    res = randattn.replay(model, ids, cache, prompt_len=len(prompt), score_from=len(prompt))
+    lps = res.logprobs[0, len(prompt):].double()
+    total = float(lps.sum())
+    return {"ref_tokens": len(reference), "ref_lp": total / len(reference), "ref_lp_sum": total,
+            "events": rounds_before(cache, ids.shape[1]), "cache_events": cache.events[0] if cache.layers else 0}
+
+
+def reference_units(config: Config, model_name: str, output: Output, task, problems, prompts, arms,
+                    gen_rows: list[dict]) -> list[Unit]:
+    """The reference log-prob units of ``arms`` (full attention's among them): one per generation batch (the same
+    arm, run and problems, so the same seed and row keys), each replaying its (problem, run)s one at a time against
+    full attention's output in ``gen_rows`` (the reference of run k: full attention's run k when sampling, else its
+    one run 0)."""
+    outputs = {(r["problem"], r["run"]): r["output"] for r in gen_rows if r["policy"] == FULL}
+    gen = Generation.of(config)
+    runs_of = lambda a: runs_for(a, config.runs, config.temperature)  # noqa: E731
+    units = []
+    for arm, run, idx in pending_batches(arms, problems, prompts, runs_of, set(), config.batch, config.pack):
+        seed = batch_seed(config.seed, run, 0 if config.pack else idx[0])  # the generation batch's own (arm_units)
+        ref_run = run if config.temperature > 0 else 0
+        missing = [problems[i].id for i in idx if (problems[i].id, ref_run) not in outputs]
+        if missing:
+            raise ValueError(f"--reference-lp: no full-attention row of run {ref_run} for problem(s) "
+                             f"{', '.join(map(str, missing))} in {output.path}'s generation file: the reference is "
+                             "full attention's output")
+        refs = [outputs[(problems[i].id, ref_run)] for i in idx]
+        work = {"mode": "reference", "task": task.name, "problem_ids": [problems[i].id for i in idx],
+                "prompts": [prompts[i] for i in idx], "references": refs, "reference_run": ref_run, "arm": arm,
+                "run": run, "seed": seed, "gen": gen, "stats": config.stats, "protocol": config.protocol,
+                "reference_tokens": config.reference_tokens,
+                "row_keys": [row_key(problems[i].id, run) for i in idx] if config.pack else None}
+        units.append(make_unit("accuracy", model_name, output,
+                               {"policy": arm.policy, "budget": arm.budget, "protect_prompt": arm.protect},
+                               [{"problem": problems[i].id, "run": run} for i in idx], work,
+                               salt=[seed, stable_id(refs)],  # the reference text decides the rows too
+                               label=f"reference log-prob: {arm.label} K={arm.budget} run {run}",
+                               stage=f"accuracy: {task.name}, reference log-prob"))
+    return units
+
+
+def reference_rows(model, tok, w: dict) -> list[dict]:
+    """The rows of one reference unit: each (problem, run) replayed alone."""
+    arm, gen = w["arm"], w["gen"]
+    rows = []
+    for k, (pid, prompt, text) in enumerate(zip(w["problem_ids"], w["prompts"], w["references"])):
+        ref = reference_ids(tok, text, w["reference_tokens"])
+        try:
+            lp = reference_lp(model, prompt, ref, arm, seed=w["seed"], buffer=gen.buffer, stats=w["stats"],
+                              options=gen.options, row_key=w["row_keys"][k] if w["row_keys"] else None)
+        except ValueError as exc:  # a policy's own pinned window plus the protected prompt exceed K, bad stats, ...
+            raise ConfigError("policy", f"{arm.policy} (T={arm.budget}, protect_prompt={arm.protect}): {exc}") \
+                from None
+        rows.append({"task": w["task"], "problem": pid, "run": w["run"], "policy": arm.policy, "budget": arm.budget,
+                     "protect_prompt": arm.protect, "compression": arm.compression, "seed": w["seed"],
+                     "reference_run": w["reference_run"], "prompt_len": len(prompt), **lp,
+                     "compressed": lp["events"] > 0, "protocol": w["protocol"], "versions": versions()})
+    return rows
 
 
 # -- compression sweep ----------------------------------------------------------------------------
@@ -349,6 +462,34 @@ def print_summary(table: list[dict], gains: list[dict], protocol: Optional[str] 
               f"{g['gain_hi']:+.3f}], p_boot {g['p_bootstrap']:.3f}, p_sign {g['p_sign']:.3f}: {g['verdict']}")
     print("paper (Qwen3/Phi-4, 5 tasks): Random wins 31 of 60 comparisons significantly, loses 1; Table 2 (MATH500, "
           "Qwen3-4B) score only -> protected: snapkv .703->.829, rkv .810->.812, vase .809->.812, random .459->.874")
+
+
+#: per-row endpoints the summary compares with Random besides the grade: (field, what it measures, format)
+ENDPOINTS = (("copies", "repeat: copies written, of 64 (generation behaviour: when the model stopped)", ".1f"),
+             ("fidelity", "repeat: fidelity of the copies written (content kept; runs without a copy left out)",
+              ".3f"),
+             ("ref_lp", "reference log-prob: mean per token of full attention's output, teacher-forced through "
+                        "each arm's cache (nats; content kept, continuous)", ".3f"))
+
+
+def print_endpoints(rows: list[dict], reference_rows: list[dict] = (), *, seed: int = 0) -> None:
+    """The endpoints beside the grade where the rows have them (:data:`ENDPOINTS`): per arm its mean over problems
+    with a 95% CI and the paired, problem-clustered comparison with Random (runs as repeated measures)."""
+    for field, what, fmt in ENDPOINTS:
+        source = reference_rows if field == "ref_lp" else rows
+        table = endpoint_summary(list(source), field, seed=seed) if any(field in r for r in source) else []
+        if not table:
+            continue
+        print(f"\n{what}")
+        print(f"{'method':<28} {'K':>5} {'n':>4} {'mean [95% CI]':<26} {'vs random [95% CI]':<28} {'p_boot':>6} "
+              f"{'sign W/L/T':>10} {'p_sign':>6} {'verdict':<17}")
+        for t in table:
+            cmp = (f"{t['delta']:+{fmt}} [{t['delta_lo']:+{fmt}}, {t['delta_hi']:+{fmt}}]", f"{t['p_bootstrap']:.3f}",
+                   f"{t['wins']}/{t['losses']}/{t['ties']}", f"{t['p_sign']:.3f}", t["verdict"]) if "delta" in t \
+                else ("(reference)" if t["policy"] == "random" else "", "", "", "", "")
+            est = f"{t['value']:{fmt}} [{t['value_lo']:{fmt}}, {t['value_hi']:{fmt}}]"
+            print(f"{t['method']:<28} {t['budget'] or '-':>5} {t['problems']:>4} {est:<26} {cmp[0]:<28} {cmp[1]:>6} "
+                  f"{cmp[2]:>10} {cmp[3]:>6} {cmp[4]:<17}")
 
 
 def write_outputs(out: Path, rows: list[dict], table: list[dict], gains: list[dict], task: str) -> dict:
@@ -458,7 +599,9 @@ def _problems(config: Config) -> list:
 def plan(config: Config, model: ModelInfo) -> Plan:
     """The accuracy run of ``config`` on ``model`` as units: one per batch of a fresh run (an arm, a run, problems of
     equal prompt length, ``--batch`` at most; ``--pack``: of any length), each seeded by :func:`batch_seed`. With
-    ``--compression`` the policies' units are a second stage, planned from full attention's generation lengths."""
+    ``--compression`` the policies' units are a second stage, planned from full attention's generation lengths. With
+    ``--reference-lp`` a last stage, planned from full attention's outputs, replays the reference through every arm
+    (:func:`reference_units`) into a second output."""
     problems = _problems(config)
     raw, config = config, config.resolved()
     if config.protocol == "grid" and raw.temperature is None:
@@ -480,18 +623,39 @@ def plan(config: Config, model: ModelInfo) -> Plan:
                 f"r={config.buffer}, max {config.max_new_tokens} new tokens, "
                 f"{'greedy' if config.temperature == 0 else f'T={config.temperature}, top-p {config.top_p}'}, "
                 f"{config.runs} runs | protocol {config.protocol}"
-                + (f" | policy options {config.options}" if config.options else ""))
+                + (f" | policy options {config.options}" if config.options else "")
+                + (" | reference log-prob of full attention's outputs" + (f" (first {config.reference_tokens} tokens)"
+                                                                          if config.reference_tokens else "")
+                   if config.reference_lp else ""))
     policies = [x for x in config.policy if x != FULL]
+    outputs = [output]
+    reference = None
+    if config.reference_lp:  # its own file beside the generation rows, declared now, filled by the last stage
+        ref_record = {**record, "endpoint": "reference_lp", "reference": REFERENCE,
+                      "reference_tokens": config.reference_tokens}
+        reference = Output(str(path.with_name(result_name("accuracy", config, "reference_lp", model=model.name,
+                                                          task=task.name))), ref_record, REFERENCE_KEY,
+                           meta={**output.meta, "reference": True})
+        outputs.append(reference)
 
     def units(arms):
         return arm_units(config, model.name, output, task, problems, prompts, arms)
 
-    full = units([Arm(FULL, None, None)]) if config.compression is not None or FULL in config.policy else []
+    def replays(arms):
+        """The stage after the generations: every arm's reference log-probs, full attention's (the ceiling) first."""
+        if reference is None:
+            return None
+        return lambda rows: Plan("accuracy", config, outputs, reference_units(
+            config, model.name, reference, task, problems, prompts, [Arm(FULL, None, None), *arms],
+            rows[output.path]), meta=meta)
+
+    needs_full = config.compression is not None or FULL in config.policy or config.reference_lp
+    full = units([Arm(FULL, None, None)]) if needs_full else []
     meta = {"describe": describe, "problems": problems}
     if config.compression is None:
         arms = protocol_arms(config.protocol, policies, dict.fromkeys(config.budget or (task.budget,)))
         check_prompt_fits(arms, longest, config.buffer)
-        return Plan("accuracy", config, [output], full + units(arms), meta=meta)
+        return Plan("accuracy", config, outputs, full + units(arms), then=replays(arms), meta=meta)
 
     def swept(rows: dict) -> Plan:
         ids = {p.id for p in problems}
@@ -501,9 +665,9 @@ def plan(config: Config, model: ModelInfo) -> Plan:
         firsts = {k: c for c, k in reversed(list(sweep.items()))}  # two factors rounding to one T run once
         arms = protocol_arms(config.protocol, policies, sorted(firsts, reverse=True), compression=firsts)
         check_prompt_fits(arms, longest, config.buffer)
-        return Plan("accuracy", config, [output], units(arms), meta=meta)
+        return Plan("accuracy", config, outputs, units(arms), then=replays(arms), meta=meta)
 
-    return Plan("accuracy", config, [output], full, then=swept, meta=meta)
+    return Plan("accuracy", config, outputs, full, then=swept, meta=meta)
 
 
 def arm_units(config: Config, model_name: str, output: Output, task, problems, prompts, arms) -> list[Unit]:
@@ -526,8 +690,11 @@ def arm_units(config: Config, model_name: str, output: Output, task, problems, p
 
 
 def run_unit(model, tok, unit: Unit):
-    """Generate and grade one batch: yields its rows."""
+    """Generate and grade one batch, or (a reference unit) replay full attention's outputs: yields its rows."""
     w = unit.work
+    if w.get("mode") == "reference":
+        yield reference_rows(model, tok, w)
+        return
     arm = w["arm"]
     try:
         outs = generate_batch(model, tok, w["prompts"], arm, seed=w["seed"], args=w["gen"], stats=w["stats"],
@@ -538,16 +705,25 @@ def run_unit(model, tok, unit: Unit):
     yield [graded_row(task, prob, arm, w["run"], w["seed"], o, w["protocol"]) for prob, o in zip(w["problems"], outs)]
 
 
+def _outputs(plan: Plan) -> tuple[Output, Optional[Output]]:
+    """The plan's generation output and its reference log-prob output (None without ``--reference-lp``)."""
+    gen = next(o for o in plan.outputs if not o.meta.get("reference"))
+    return gen, next((o for o in plan.outputs if o.meta.get("reference")), None)
+
+
 def merge(plan: Plan, rows: dict, figures: bool) -> list[Path]:
     """The files a single-machine run writes beside its rows (summary CSV, comparison tables, figure), from the rows
     of the plan's output; prints its summary. Returns the files."""
-    (o,) = plan.outputs
-    path, rows = Path(o.path), rows[o.path]
+    o, ref = _outputs(plan)
+    path, rows, ref_rows = Path(o.path), rows.get(o.path, []), rows.get(ref.path, []) if ref is not None else []
     table = summarize(rows, seed=o.meta["seed"])
     gains = protection_gains(rows, seed=o.meta["seed"])
     print(f"\n== {path}")
     print_summary(table, gains, o.config.get("protocol"))
+    print_endpoints(rows, ref_rows, seed=o.meta["seed"])
     paths = [path, *write_outputs(path, rows, table, gains, o.meta["task"]).values()]
+    if ref_rows:
+        paths.append(Path(ref.path))
     warning = warn_uncompressed(table)
     if warning:
         print(warning)
@@ -579,7 +755,7 @@ def run(config: Config, model=None, tokenizer=None) -> tuple[Config, ResultsFile
     """Generate and grade every pending (arm, run, problem) here (``units.run`` of this kind: the command line's
     steps without its tables); ``(resolved config, results file, this run's rows)``."""
     p, files = run_kind(KIND, config, model, tokenizer)
-    rf = files[p.outputs[0].path]
+    rf = files[_outputs(p)[0].path]
     return p.config, rf, this_run(p, rf.rows)
 
 
@@ -587,12 +763,15 @@ def report(p: Plan, rows: dict, figures: bool) -> list[Path]:
     """The command line's tables (``Kind.report``): the summary of this run's rows (:func:`this_run`), the
     methods x budgets comparison with Random, the files beside the rows, the figure under its shipped name (a
     grid's :func:`merge` summarizes the whole file and names the figure after it)."""
-    config, (o,) = p.config, p.outputs
+    config = p.config
+    o, ref = _outputs(p)
     path = Path(o.path)
+    ref_rows = this_run(p, rows.get(ref.path, [])) if ref is not None else []
     rows = this_run(p, rows[o.path])
     table = summarize(rows, seed=config.seed)
     gains = protection_gains(rows, seed=config.seed)
     print_summary(table, gains, config.protocol)
+    print_endpoints(rows, ref_rows, seed=config.seed)
     results = table_results(rows, config.task)
     if any(m == "random" for m, _ in results):
         print("\n" + comparison_table(results, reference="random", seed=config.seed)
@@ -602,8 +781,9 @@ def report(p: Plan, rows: dict, figures: bool) -> list[Path]:
     warning = warn_uncompressed(table)
     if warning:
         print("\n" + warning)
-    print(f"\nrows: {path}\n" + "\n".join(f"{k}: {v}" for k, v in paths.items()))
-    written = [path, *paths.values()]
+    print(f"\nrows: {path}\n" + (f"reference log-prob rows: {ref.path}\n" if ref_rows else "")
+          + "\n".join(f"{k}: {v}" for k, v in paths.items()))
+    written = [path, *([Path(ref.path)] if ref_rows else []), *paths.values()]
     if figures:
         problems = ",".join(sorted({r["problem"] for r in rows}))
         # a shipped run's figure has the name `python -m figures` draws it under; any other run's is named after its

@@ -10,13 +10,20 @@ Each selector (``--policies``: registered names, default every selector the pape
 tasks, every one under the same eviction setting (``--budget``, ``--buffer``, the prompt protected):
 
 - ``copy``: the accuracy harness's copy task at T (graded share of the list reproduced), paired by problem;
-- ``repeat``: the repeat task at ``--compression`` (T = full attention's mean length / c, its own r of 8), by problem;
+- ``repeat``: the repeat task at ``--compression`` (T = full attention's mean length / c, its own r of 8), by problem,
+  as two endpoints, two rows per selector: the copies written as a share of 64 (generation behaviour: when the model
+  stopped) and the fidelity of the copies written (content kept);
 - ``question``: the prompt-protection probe's question restated after ``--body`` tokens (digits recalled), by instance;
 - ``passcode``: the passcode stated once and asked after ``--rounds`` rounds (retrieval), by instance;
 - ``planted``: a fact planted in a real trace at ``--distance`` and left to the policy (retrieval), by instance;
 - ``cost``: milliseconds per eviction round and decode tokens/s, each selector interleaved with Random in the same
   unit, reported as a ratio to Random's so that the machine's load cancels.
 
+``--reference-lp`` gives the copy and repeat slots the teacher-forced log-prob of full attention's output under each
+policy's cache (the accuracy harness's ``--reference-lp``; ``--reference-tokens N``: its first N tokens), compared with
+Random like the other tasks' answer log-probs (``lp*`` columns; the repeat task's on its fidelity row);
+``--temperature``/``--top-p`` sample the copy and repeat generations (every policy then runs ``--runs`` times, so every
+arm has within-problem variance, paired by problem and run). All four are registered per task.
 ``--accuracy-task NAME`` (``--data FILE.jsonl``) runs any task of ``probes/tasks.py`` in the copy slot;
 ``--full-attention`` adds full attention's score on it and on the question (the ``full_attention`` column; the
 repeat task has it always); ``--recall`` adds the planted fact's Recall R (each instance also with the fact deleted
@@ -43,7 +50,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -57,11 +64,12 @@ from randattn.stats import mean_ci, paired_comparison, per_problem_means
 
 from . import accuracy, cli, passcode, prompt_protection, registration, survival, units
 from .common import policy_slug
-from .config import DEFAULT, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
+from .config import DEFAULT, NONNEGATIVE, POSITIVE, ConfigError, EvictionConfig, eviction, option, setting
 from .planted import Condition, InstanceBuilder
 from .planted_run import PlantedConfig, run_conditions, setup, write_csv
 from .policy_specs import calibration_options
 from .results import DEFAULT_TRACES, run_record, trace_label
+from .tasks import REPEAT_LINES
 from .tasks import TASKS as ACCURACY_TASKS
 from .units import Kind, ModelInfo, Output, Plan, Unit, make_unit
 from randattn.seeding import batch_seed
@@ -71,10 +79,23 @@ REFERENCE = "random"
 FULL = accuracy.FULL  # full attention (no eviction): the ceiling column with --full-attention
 TASKS = ("copy", "repeat", "question", "passcode", "planted", "cost")
 RUN_ORDER = ("copy", "question", "passcode", "cost", "planted", "repeat")
-#: task -> (metric, what is paired): the leaderboard's score on each task.
-METRICS = {"copy": ("copy accuracy", "problems"), "repeat": ("repeat accuracy", "problems"),
-           "question": ("question digits recalled", "instances"), "passcode": ("passcode retrieval", "instances"),
-           "planted": ("planted-fact retrieval", "instances")}
+#: the repeat task's two endpoints, one behaviour each (no threshold joins them): how many copies the model wrote
+#: (generation behaviour, as a 0-1 share so that the MDE machinery applies) and how faithful they are (content kept).
+REPEAT_COPIES = f"repeat copies written (share of {REPEAT_LINES})"
+REPEAT_FIDELITY = "repeat fidelity of copies written"
+#: slot -> [(test, metric, row field)]: the scored endpoints of a slot, each one comparison row per selector (the
+#: copy slot's is named after its task, see :func:`endpoints_of`).
+ENDPOINTS = {"copy": [("copy", "copy accuracy", "grade")],
+             "repeat": [("repeat copies", REPEAT_COPIES, "copies"), ("repeat fidelity", REPEAT_FIDELITY, "fidelity")],
+             "question": [("question", "question digits recalled", "digit_acc")],
+             "passcode": [("passcode", "passcode retrieval", "retrieved")],
+             "planted": [("planted", "planted-fact retrieval", "retrieved")]}
+#: the endpoint of a slot its teacher-forced log-prob sits beside (one log-prob comparison per slot and selector; the
+#: slot's first row where that endpoint has none, e.g. no run wrote a repeat copy)
+LP_ENDPOINT = {"repeat": "fidelity"}
+#: task -> (metric, what is paired): the leaderboard's score on each task (the repeat task's two metrics joined).
+METRICS = {slot: ("; ".join(m for _, m, _ in eps), "problems" if slot in ("copy", "repeat") else "instances")
+           for slot, eps in ENDPOINTS.items()}
 VERDICTS = {"better": "better", "worse": "worse", "indistinguishable": "no detectable difference"}
 #: The board's error rate: every comparison on one board (each task's score and each log-prob) is one family,
 #: adjusted by Holm's step-down method, so the chance of any false "better" or "worse" on the board is <= ALPHA.
@@ -117,8 +138,8 @@ class Config(EvictionConfig):
                                          "passcode and planted tasks are built from (default: the embedded model's)")
     problems: int = option(32, "copy: problems, the first N of --accuracy-task's (paired by problem)",
                            check=POSITIVE)
-    runs: int = option(1, "copy and repeat: eviction seeds per problem for the policies that draw on one",
-                       check=POSITIVE)
+    runs: int = option(1, "copy and repeat: runs per problem: eviction seeds for the policies that draw on one (and, "
+                          "with --temperature > 0, sampling seeds for every policy)", check=POSITIVE)
     repeat_problems: int = option(8, "repeat: problems", check=POSITIVE)
     compression: float = option(4.0, "repeat: T = full attention's mean generation length / compression",
                                 check=POSITIVE)
@@ -135,6 +156,14 @@ class Config(EvictionConfig):
                            "harness's batches)", check=POSITIVE)
     max_new_tokens: Optional[int] = option(None, "copy and repeat: new tokens at most (default: each task's, copy 192, "
                                                  "repeat 1664)", check=POSITIVE)
+    temperature: float = option(0.0, "copy and repeat: sampling temperature (0 = greedy); > 0 samples every policy "
+                                     "--runs times with a sampling seed per run", check=NONNEGATIVE)
+    top_p: float = option(1.0, "copy and repeat: nucleus sampling with --temperature > 0")
+    reference_lp: bool = option(False, "copy and repeat: also the teacher-forced log-prob of full attention's output "
+                                       "under each policy's cache (the accuracy harness's --reference-lp), compared "
+                                       "with Random (lp columns)")
+    reference_tokens: Optional[int] = option(None, "with --reference-lp: score only the reference's first N tokens",
+                                             check=POSITIVE)
     target_mde: Optional[float] = option(None, "also print, per task, how many units (problems or instances) would "
                                                "make a difference of this size detectable with 80%% power at the "
                                                "board's level (from the board's own noise; run it on finished rows "
@@ -152,6 +181,14 @@ class Config(EvictionConfig):
             raise ConfigError("policies", "no selector to rank: give --policies and/or --selector FILE.py:FN")
         if not self.tasks:
             raise ConfigError("tasks", "no task to run")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_p != 1.0 and self.temperature == 0:
+            raise ConfigError("top_p", "applies only when sampling; greedy decoding (--temperature 0, the default) "
+                                       "ignores it: pass --temperature T > 0 too, or drop --top-p")
+        if self.reference_tokens is not None and not self.reference_lp:
+            raise ConfigError("reference_tokens", "applies only with --reference-lp: add --reference-lp, or drop "
+                                                  "--reference-tokens")
         self.check_eviction()
 
     @property
@@ -195,7 +232,9 @@ def accuracy_config(config: Config, task: str, root: Path) -> accuracy.Config:
     name = config.accuracy_task if task == "copy" else task
     common = dict(model=config.model, device=config.device, seed=config.seed, out=str(root / name), no_figure=True,
                   task=name, runs=config.runs, stats=config.stats, protect_prompt=config.protect_prompt,
-                  max_new_tokens=config.max_new_tokens)  # the accuracy harness's own batches (of equal prompts)
+                  max_new_tokens=config.max_new_tokens,  # the accuracy harness's own batches (of equal prompts)
+                  temperature=config.temperature, top_p=config.top_p, reference_lp=config.reference_lp,
+                  reference_tokens=config.reference_tokens)
     if task == "copy":
         full = (FULL,) if config.full_attention else ()
         return accuracy.Config(policy=(*full, *config.policies_run), budget=(config.budget,), buffer=config.buffer,
@@ -251,7 +290,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     options = {p: calibration_options(p, config.stats) for p in pols}
     for p in pols:  # every selector binds to the model before anything runs (TriAttention without statistics...)
         config.bind(config.spec(p), model.bind_target)
-    outputs, work, later = [], [], None
+    outputs, work, later = [], [], []
     meta = {"root": str(root), "model": model.name, "tasks": {}}
 
     def output(task, key, **extra):
@@ -269,7 +308,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
             meta["tasks"][task] = inner.outputs[0].path
             work += [_wrap(task, u) for u in inner.units]
             if inner.then is not None:
-                later = inner.then
+                later.append((task, inner.then))
         elif task == "question":
             tasks = _question_tasks(model.tokenizer, str(_traces(config)), config.body, config.seed)
             config.fits(config.spec(), tasks.prompt_len, what="question task")
@@ -315,12 +354,26 @@ def plan(config: Config, model: ModelInfo) -> Plan:
     # a run cut short has its quickest tables on disk.
     work.sort(key=lambda u: RUN_ORDER.index(u.work["task"]))
     result = Plan("leaderboard", config, outputs, work, meta=meta)
-    if later is not None:
-        def second(rows: dict) -> Plan:
-            stage = later(rows)
-            return Plan("leaderboard", config, outputs, [_wrap("repeat", u) for u in stage.units], meta=meta)
-        result.then = second
+    result.then = _stages(config, outputs, meta, sorted(later, key=lambda t: RUN_ORDER.index(t[0])))
     return result
+
+
+def _stages(config: Config, outputs: list, meta: dict, later: list) -> Optional[Callable[[dict], Plan]]:
+    """The board's further stages from the accuracy slots' own (``later``: ``[(slot, then)]``): each stage holds
+    every slot's next one (the repeat task's policies, planned from full attention's lengths; then each slot's
+    reference log-probs with ``--reference-lp``), until none has another."""
+    if not later:
+        return None
+
+    def stage(rows: dict) -> Plan:
+        units, more = [], []
+        for task, then in later:
+            step = then(rows)
+            units += [_wrap(task, u) for u in step.units]
+            if step.then is not None:
+                more.append((task, step.then))
+        return Plan("leaderboard", config, outputs, units, then=_stages(config, outputs, meta, more), meta=meta)
+    return stage
 
 
 # -- running one unit ---------------------------------------------------------------------------------------
@@ -467,24 +520,42 @@ def mde(row: dict, level: float) -> tuple[float, str]:
     return mde_normal(row["sd_delta"], row["n"], alpha=level, power=POWER), "normal"
 
 
-def _scores(task: str, rows: list[dict]) -> tuple[dict, dict, dict]:
-    """``({policy: {unit: [score per run]}}, {policy: {unit: [log-prob]}}, {policy: mean generated length})`` of one
-    task's rows (log-probs for the teacher-forced tasks: the answer's mean log-prob, finer than an exact answer);
-    full attention's scores under ``full`` where it ran; the planted task's from the policy's condition alone."""
+def _scores(task: str, rows: list[dict], reference_rows: list[dict] = ()) -> tuple[dict, dict, dict]:
+    """``({row field: {policy: {unit: [score per run]}}}, {policy: {unit: [log-prob per run]}}, {policy: mean generated
+    length})`` of one task's rows: each scored endpoint of the task (:data:`ENDPOINTS`; the repeat task's copies as a
+    share of 64, and its fidelity without the runs that wrote no copy), log-probs where the task has them (the
+    teacher-forced answer's mean log-prob, finer than an exact answer; the copy and repeat tasks' from their
+    ``--reference-lp`` rows, ``reference_rows``); full attention's under ``full`` where it ran; the planted task's
+    from the policy's condition alone."""
     scores: dict = {}
     lps: dict = {}
     lengths: dict = {}
+
+    def add(field, r, value):
+        key = r["problem"] if task in ("copy", "repeat") else r["instance"]
+        scores.setdefault(field, {}).setdefault(r["policy"], {}).setdefault(key, []).append(value)
     for r in rows:
-        if task in ("copy", "repeat"):
-            scores.setdefault(r["policy"], {}).setdefault(r["problem"], []).append(float(r["grade"]))
-            if r["policy"] != FULL:
-                lengths.setdefault(r["policy"], []).append(r["gen_len"])
+        if task == "repeat":
+            if "copies" not in r:
+                raise ValueError(f"a repeat row of {r['policy']} on {r['problem']} has no 'copies' field: it was graded "
+                                 "before the repeat task's two endpoints; re-grade its file with python -m "
+                                 "probes.regrade FILE")
+            add("copies", r, r["copies"] / REPEAT_LINES)
+            if r["fidelity"] is not None:
+                add("fidelity", r, float(r["fidelity"]))
+        elif task == "copy":
+            add("grade", r, float(r["grade"]))
         elif task == "question":
-            scores.setdefault(r["policy"], {})[r["instance"]] = [float(r["digit_acc"])]
+            add("digit_acc", r, float(r["digit_acc"]))
             lps.setdefault(r["policy"], {})[r["instance"]] = [float(r["mean_lp"])]
         elif r.get("condition", "policy") == "policy":  # Recall R's endpoints are not the policy's score
-            scores.setdefault(r["policy"], {})[r["instance"]] = [float(r["retrieved"])]
+            add("retrieved", r, float(r["retrieved"]))
             lps.setdefault(r["policy"], {})[r["instance"]] = [float(r["lp"])]
+        if task in ("copy", "repeat") and r["policy"] != FULL:
+            lengths.setdefault(r["policy"], []).append(r["gen_len"])
+    for r in reference_rows:
+        if r.get("ref_lp") is not None:
+            lps.setdefault(r["policy"], {}).setdefault(r["problem"], []).append(float(r["ref_lp"]))
     return scores, lps, {p: float(np.mean(v)) for p, v in lengths.items()}
 
 
@@ -519,19 +590,38 @@ def task_of(config: Config, slot: str) -> str:
     return config.accuracy_task if slot == "copy" else slot
 
 
+def endpoints_of(config: Config, slot: str) -> list[tuple[str, str, str]]:
+    """``[(test, metric, row field)]``: the scored endpoints of a slot of ``--tasks``, one board row per selector each
+    (the repeat task's two; the copy slot's named after ``--accuracy-task``)."""
+    if slot == "copy":
+        return [(config.accuracy_task, f"{config.accuracy_task} accuracy", "grade")]
+    return ENDPOINTS[slot]
+
+
 def metric_of(config: Config, slot: str) -> tuple[str, str]:
-    """``(metric, what is paired)`` of a slot of ``--tasks``."""
+    """``(metric, what is paired)`` of a slot of ``--tasks`` (the repeat task's two metrics joined by '; ')."""
     if slot == "copy":
         return f"{config.accuracy_task} accuracy", "problems"
     return METRICS[slot]
 
 
+def grade_of(config: Config, slot: str) -> str:
+    """The grade a slot registers (:func:`registered`)."""
+    if slot == "cost":
+        return f"{ROUND_COST}; {THROUGHPUT} (ratios to Random's, interleaved)"
+    metric, unit = metric_of(config, slot)
+    return f"{metric}, paired by {unit}"
+
+
 def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: dict) -> list[dict]:
-    """One row per selector and task: score with its 95% CI, Random's, the paired difference with its CI, bootstrap
-    p, sign test and verdict, generated length (copy, repeat) and round cost as a ratio to Random's; ranked. Where
-    the rows have them: full attention's score on the same units (``full_attention``), the answer's log-prob
-    compared the same way (``lp*``), the planted fact's Recall R with its CI (``recall*``, ``--recall``)."""
-    by_task = {output_slot(o): o for o in outputs}
+    """One row per selector and scored endpoint of each task (the repeat task's two): score with its 95% CI,
+    Random's, the paired difference with its CI, bootstrap p, sign test and verdict, generated length (copy, repeat)
+    and round cost as a ratio to Random's; ranked. Where the rows have them: full attention's score on the same units
+    (``full_attention``), the answer's log-prob compared the same way (``lp*``: question, passcode, planted, and with
+    ``--reference-lp`` the reference continuation's of copy and repeat, on the repeat task's fidelity row), the
+    planted fact's Recall R with its CI (``recall*``, ``--recall``)."""
+    by_task = {output_slot(o): o for o in outputs if not o.meta.get("reference")}
+    references = {output_slot(o): o for o in outputs if o.meta.get("reference")}
     cost = {}
     if "cost" in by_task:
         o = by_task["cost"]
@@ -543,43 +633,54 @@ def board(config: Config, plan_units: list[Unit], outputs: list[Output], rows: d
             continue
         o = by_task[slot]
         planned = _planned_rows(plan_units, o.path, rows.get(o.path, []), o.key)
-        scores, lps, lengths = _scores(slot, planned)
-        if REFERENCE not in scores:
-            continue
+        ref_o = references.get(slot)
+        ref_rows = _planned_rows(plan_units, ref_o.path, rows.get(ref_o.path, []), ref_o.key) if ref_o else []
+        scores_of, lps, lengths = _scores(slot, planned, ref_rows)
         recall = _recall(planned, config.seed) if slot == "planted" else {}
         budgets = sorted({u.fixed.get("budget") for u in plan_units if u.output == o.path
                           and u.fixed.get("policy") == REFERENCE} - {None})
-        metric, unit = metric_of(config, slot)
-        ref = mean_ci(list(per_problem_means(scores[REFERENCE]).values()), seed=config.seed)
-        for pol in config.selectors:
-            if pol not in scores:
+        unit = metric_of(config, slot)[1]
+        rows_of: dict = {}  # policy -> this slot's rows of it, one per endpoint
+        for test, metric, field in endpoints_of(config, slot):
+            scores = scores_of.get(field, {})
+            if REFERENCE not in scores:
                 continue
-            row = compared(task_of(config, slot), metric, unit, pol, scores[pol], scores[REFERENCE], config.seed)
-            common = sorted(set(scores[pol]) & set(scores[REFERENCE]), key=str)  # a fixed order: reruns byte-equal
-            for col, p in (("value", pol), ("random", REFERENCE)):
-                means = per_problem_means({k: scores[p][k] for k in common})
-                row[col] = float(np.mean([means[k] for k in common]))
-            est = mean_ci(list(per_problem_means(scores[pol]).values()), seed=config.seed)
-            row.update({"value_lo": est.lo, "value_hi": est.hi, "random_lo": ref.lo, "random_hi": ref.hi,
-                        "budget": budgets[0] if budgets else config.budget,
-                        "gen_len": lengths.get(pol), "random_gen_len": lengths.get(REFERENCE)})
-            full = {k: scores[FULL][k] for k in common if k in scores.get(FULL, {})}
-            if full:  # the ceiling, on the same units
-                row["full_attention"] = float(np.mean(list(per_problem_means(full).values())))
-            if pol in lps and REFERENCE in lps:  # the answer's log-prob, paired the same way (not ranked)
+            ref = mean_ci(list(per_problem_means(scores[REFERENCE]).values()), seed=config.seed)
+            for pol in config.selectors:
+                common = sorted(set(scores.get(pol, {})) & set(scores[REFERENCE]), key=str)  # a fixed order
+                if not common:  # e.g. no run of one of them wrote a repeat copy: nothing to pair
+                    continue
+                row = compared(test, metric, unit, pol, scores[pol], scores[REFERENCE], config.seed)
+                for col, p in (("value", pol), ("random", REFERENCE)):
+                    means = per_problem_means({k: scores[p][k] for k in common})
+                    row[col] = float(np.mean([means[k] for k in common]))
+                est = mean_ci(list(per_problem_means(scores[pol]).values()), seed=config.seed)
+                row.update({"value_lo": est.lo, "value_hi": est.hi, "random_lo": ref.lo, "random_hi": ref.hi,
+                            "budget": budgets[0] if budgets else config.budget,
+                            "gen_len": lengths.get(pol), "random_gen_len": lengths.get(REFERENCE)})
+                full = {k: scores[FULL][k] for k in common if k in scores.get(FULL, {})}
+                if full:  # the ceiling, on the same units
+                    row["full_attention"] = float(np.mean(list(per_problem_means(full).values())))
+                rows_of.setdefault(pol, []).append((field, row))
+                if pol in recall and REFERENCE in recall:  # descriptive: each policy's own endpoints, no paired test
+                    r, r0 = recall[pol], recall[REFERENCE]
+                    row.update({"recall": r.value, "recall_lo": r.lo, "recall_hi": r.hi, "random_recall": r0.value,
+                                "random_recall_lo": r0.lo, "random_recall_hi": r0.hi})
+                for name, metric_name in (("round_cost", ROUND_COST), ("throughput", THROUGHPUT)):
+                    c = cost.get((pol, metric_name))
+                    row[f"{name}_ratio"] = c["ratio"] if c else None
+                row["slot"] = slot
+                table.append(row)
+        for pol, these in rows_of.items():  # one log-prob comparison per slot and selector, on its content endpoint
+            if pol in lps and REFERENCE in lps and set(lps[pol]) & set(lps[REFERENCE]):
+                row = next((r for f, r in these if f == LP_ENDPOINT.get(slot)), these[0][1])
                 lp = compared(slot, "log-prob", unit, pol, lps[pol], lps[REFERENCE], config.seed)
                 row.update({"lp": lp["value"], "random_lp": lp["random"], "lp_delta": lp["delta"],
                             "lp_delta_lo": lp["delta_lo"], "lp_delta_hi": lp["delta_hi"], "lp_p": lp["p"],
                             "lp_sd_delta": lp["sd_delta"]})
-            if pol in recall and REFERENCE in recall:  # descriptive: each policy's own endpoints, no paired test
-                r, r0 = recall[pol], recall[REFERENCE]
-                row.update({"recall": r.value, "recall_lo": r.lo, "recall_hi": r.hi, "random_recall": r0.value,
-                            "random_recall_lo": r0.lo, "random_recall_hi": r0.hi})
-            for name, metric_name in (("round_cost", ROUND_COST), ("throughput", THROUGHPUT)):
-                c = cost.get((pol, metric_name))
-                row[f"{name}_ratio"] = c["ratio"] if c else None
-            row["slot"] = slot
-            table.append(row)
+                full_lp = {k: lps[FULL][k] for k in lps[pol] if k in lps.get(FULL, {})}
+                if full_lp:  # the log-prob's ceiling: full attention's own output teacher-forced without eviction
+                    row["full_attention_lp"] = float(np.mean(list(per_problem_means(full_lp).values())))
     adjust_board(table)
     tally = {p: sum((r["verdict"] == "better") - (r["verdict"] == "worse") for r in table if r["policy"] == p)
              for p in config.selectors}
@@ -599,22 +700,30 @@ def _fmt(x, spec=".3f") -> str:
 
 
 def print_board(table: list[dict]) -> None:
-    print(f"\n{'#':>2} {'selector':<24} {'task':<9} {'n':>3} {'score [95% CI]':<22} {'random [95% CI]':<22} "
+    width = max([9, *(len(r["test"]) for r in table)])
+    lp = any(r.get("lp_delta") is not None for r in table)
+    print(f"\n{'#':>2} {'selector':<24} {'task':<{width}} {'n':>3} {'score [95% CI]':<22} {'random [95% CI]':<22} "
           f"{'difference [95% CI]':<25} {'p':>6} {'p_holm':>6} {'MDE':>5}  {'verdict':<24} {'round cost':>10} "
-          f"{'length':>7}")
+          f"{'length':>7}" + (f"  {'log-prob difference [95% CI]':<30}" if lp else ""))
     for r in table:
-        print(f"{r['rank']:>2} {r['policy'][:24]:<24} {r['test']:<9} {r['n']:>3} "
+        lp_cell = (f"  {r['lp_delta']:+.2f} [{r['lp_delta_lo']:+.2f}, {r['lp_delta_hi']:+.2f}]"
+                   + ("*" if r.get("lp_verdict") in ("better", "worse") else "")
+                   if r.get("lp_delta") is not None else "  –") if lp else ""
+        print(f"{r['rank']:>2} {r['policy'][:24]:<24} {r['test']:<{width}} {r['n']:>3} "
               f"{_fmt(r['value'])} [{_fmt(r['value_lo'])}, {_fmt(r['value_hi'])}]  "
               f"{_fmt(r['random'])} [{_fmt(r['random_lo'])}, {_fmt(r['random_hi'])}]  "
               f"{r['delta']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}]  {r['p']:>6.3f} "
               f"{r['p_adjusted']:>6.3f} {_fmt_mde(r['mde']):>5}  "
-              f"{r['verdict']:<24} {'x' + _fmt(r['round_cost_ratio'], '.2f'):>10} {_fmt(r['gen_len'], '.1f'):>7}")
+              f"{r['verdict']:<24} {'x' + _fmt(r['round_cost_ratio'], '.2f'):>10} {_fmt(r['gen_len'], '.1f'):>7}"
+              + lp_cell)
     family = table[0]["family"] if table else 0
     print(f"verdict: better or worse only when the paired bootstrap 95% CI excludes no difference and p (the larger of "
           f"the bootstrap's and the exact sign test's) stays below {ALPHA} after {ADJUSTMENT.title()}'s adjustment "
           f"across the board's {family} comparisons (scores and log-probs); MDE: the difference in P(win) - P(loss) "
           f"the sign test detects with {POWER:.0%} power at {ALPHA}/{family} ('none': no difference is detectable "
-          f"at this n); round cost: ms per eviction round as a ratio to Random's, measured side by side")
+          f"at this n); round cost: ms per eviction round as a ratio to Random's, measured side by side"
+          + ("; log-prob: the answer's (question, passcode, planted) or the reference continuation's (copy, repeat: "
+             "full attention's output teacher-forced), * = better or worse after the adjustment" if lp else ""))
 
 
 def planned_units(table: list[dict], target: float, alpha: float = ALPHA) -> list[dict]:
@@ -678,14 +787,7 @@ def registered(config: Config) -> dict:
     board's verdict rule."""
     verdict = {"alpha": ALPHA, "adjustment": ADJUSTMENT, "power": POWER}
     resolved = {"model": config.model or randattn.DEFAULT_MODEL, "traces": trace_label(_traces(config))}
-
-    def grade(task: str) -> str:
-        if task == "cost":
-            return f"{ROUND_COST}; {THROUGHPUT} (ratios to Random's, interleaved)"
-        metric, unit = metric_of(config, task)
-        return f"{metric}, paired by {unit}"
-
-    return {t: {**registration.task_spec(config, t, grade=grade(t), verdict=verdict), **resolved}
+    return {t: {**registration.task_spec(config, t, grade=grade_of(config, t), verdict=verdict), **resolved}
             for t in config.tasks}
 
 

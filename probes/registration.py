@@ -10,6 +10,12 @@ asking for a different value is a :class:`ConfigError` naming the flag, the regi
 (another ``--out`` for another setting, or ``--restart``, which registers anew). Commit ``spec.json`` before the
 rows, and the board is pre-registered; a board whose rows predate its ``spec.json`` says so
 (``"preregistered": false`` per task).
+
+Two changes a registered board can take, each recorded: a field added to a task's spec after the board was registered
+(:data:`ADDED_FIELDS`) is read, for a spec without it, as the value every run had before it existed (so the board's
+rows still merge, and a run asking another value is refused as for any field); and a grade re-defined after the rows
+(``python -m probes.regrade``, which re-grades the rows from their stored output) is amended in the spec by
+:func:`amend`, the earlier grade kept beside it with the date, revision and reason.
 """
 
 from __future__ import annotations
@@ -29,14 +35,20 @@ FORMAT = "randattn board spec 1"
 #: among them: ``--full-attention`` and ``--recall``, which add descriptive columns (a ceiling, Recall R) beside the
 #: verdict and rows beside the policy's, never changing either, so a registered board may gain them.
 TASK_FIELDS = {
-    "copy": ("accuracy_task", "data", "problems", "runs", "max_new_tokens"),
-    "repeat": ("repeat_problems", "compression", "runs", "max_new_tokens"),
+    "copy": ("accuracy_task", "data", "problems", "runs", "max_new_tokens", "temperature", "top_p", "reference_lp",
+             "reference_tokens"),
+    "repeat": ("repeat_problems", "compression", "runs", "max_new_tokens", "temperature", "top_p", "reference_lp",
+               "reference_tokens"),
     "question": ("instances", "body", "batch"),
     "passcode": ("passcode_instances", "rounds", "batch"),
     "planted": ("planted_instances", "distance", "batch"),
     "cost": ("cost_repeats", "cost_rounds", "cost_batch"),
 }
 SHARED_FIELDS = ("model", "budget", "buffer", "protect_prompt", "seed", "stats", "traces")
+#: Fields added to a task's spec after boards were registered without them (issue 37: sampling and the reference
+#: log-prob of the copy and repeat tasks), with the value every run had before they existed: a registered spec that
+#: lacks one is read as having that value.
+ADDED_FIELDS = {"temperature": 0.0, "top_p": 1.0, "reference_lp": False, "reference_tokens": None}
 
 
 def task_spec(config, task: str, *, grade: str, verdict: dict) -> dict:
@@ -72,7 +84,7 @@ def check(root: Path, wanted: dict, *, restart: bool = False) -> None:
         if old is None:
             continue
         for field in sorted(set(spec) | set(old.get("spec", {}))):
-            before, now = old["spec"].get(field), spec.get(field)
+            before, now = old["spec"].get(field, ADDED_FIELDS.get(field)), spec.get(field)
             if before != now:
                 flag = "tasks" if field in ("grade", "verdict") else field
                 raise ConfigError(flag, f"the board in {root} registered its {task} task with {field} = {before!r} "
@@ -98,5 +110,28 @@ def record(root: Path, wanted: dict, *, restart: bool = False, rows_exist: dict 
     root.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"format": FORMAT, "tasks": registered}, indent=2, sort_keys=True) + "\n"
     with replacing(path, check=False) as tmp:  # read() above has shown an existing one to be ours
+        Path(tmp).write_text(text)
+    return path
+
+
+def amend(root: Path, task: str, fields: dict, *, why: str) -> Path:
+    """Change registered fields of ``task`` (a grade re-defined after the rows, which were re-graded from their stored
+    output): the spec takes the new values, and ``amended`` lists each change with the value before, the date, the
+    revision and ``why``. A :class:`ConfigError` on ``--out`` when the board holds no such task."""
+    root = Path(root)
+    registered = read(root)
+    if task not in registered:
+        raise ConfigError("out", f"the board in {root} has no registered {task} task to amend")
+    entry = registered[task]
+    stamp = {"date": datetime.now(timezone.utc).date().isoformat(), "revision": git_revision(), "why": why}
+    for field, value in fields.items():
+        before = entry["spec"].get(field)
+        if before == value:
+            continue
+        entry.setdefault("amended", []).append({"field": field, "before": before, "after": value, **stamp})
+        entry["spec"][field] = value
+    text = json.dumps({"format": FORMAT, "tasks": registered}, indent=2, sort_keys=True) + "\n"
+    path = root / SPEC_FILE
+    with replacing(path, check=False) as tmp:  # read() above has shown it to be ours
         Path(tmp).write_text(text)
     return path

@@ -30,8 +30,10 @@ Graders:
   sandbox (:mod:`probes.code_grader`, bubblewrap: read-only system, a private empty ``/tmp``, no network, limits on
   time, memory, processes and output; the expected outputs stay outside); 1 when every test passes, with the
   per-test verdicts in the row.
-- **repeat**: the last complete numbered line (the model's last copy), scored as the fraction of the line's numbers
-  in place; text after the list is skipped, and fewer than half the requested copies score 0.
+- **repeat**: two endpoints of the generated text, each one behaviour (no threshold): ``copies``, the complete
+  numbered lines written (the prompt's own ``1. <line>`` not counted), capped at 64 (generation behaviour: when the
+  model stopped), and ``fidelity``, the mean fraction of the line's numbers in place over the copies written (content
+  kept; None when none). The row's ``grade`` is the fidelity (0.0 when no copy was written).
 - **copy**: the fraction of the ``n`` reference numbers the output reproduces in order (the first
   ``n`` four-digit numbers found; anything after is ignored, since the model keeps writing).
 
@@ -67,7 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from analysis.repeat import copies, fidelity
+from analysis.repeat import LINES as REPEAT_LINES
+from analysis.repeat import copies, endpoints
 
 __all__ = ["Problem", "Grade", "Task", "TASKS", "TaskDataError", "get_task", "load_problems", "last_boxed",
            "math_equal", "grade_math", "choice_letter", "grade_choice", "shuffle_choices", "copy_numbers",
@@ -106,6 +109,7 @@ class Grade:
     score: float
     extracted: Optional[str]
     details: Optional[list] = None  # per-item verdicts (the code grader's per-test results), written into the row
+    endpoints: Optional[dict] = None  # further row fields the grader measures (the repeat task's copies, fidelity)
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,6 @@ def grade_code(text: str, problem: Problem, *, unsafe: bool = False) -> Grade:
 
 # -- repeat (the embedded model's task in the paper's regime) ----------------------------------------
 REPEAT_N = 4  # numbers per line
-REPEAT_LINES = 64
 REPEAT_TEMPLATE = "Copy this line {lines} times: {line}"
 
 
@@ -314,16 +317,25 @@ def repeat_problem(i: int, n: int = REPEAT_N) -> Problem:
 
 
 def grade_repeat(text: str, problem: Problem) -> Grade:
-    """The model's last copy: the last *complete* numbered line (``k. ...`` followed by a newline; a generation
-    cut off at the length limit is cut inside its last line), scored as the fraction of the reference numbers in
-    place. Every earlier copy restates the line, so the last one can be copied from any of them; a model that
-    lost the line writes a wrong one. Text after the list (a model that stops copying and writes a sentence)
-    is not a copy and is skipped. A generation with fewer than half the requested copies scores 0: its last
-    copy was written early, before eviction had much to take."""
+    """Two endpoints of the generated text, each measuring one thing (:func:`analysis.repeat.endpoints`), in the row
+    as ``copies`` and ``fidelity``:
+
+    - ``copies``: the complete numbered lines the generation wrote (``k. ...`` followed by a newline; a generation cut
+      off at the length limit is cut inside its last line, which does not count; text after the list is not a copy),
+      capped at :data:`REPEAT_LINES`. The prompt's own ``1. <line>`` is not counted: the answer's first line
+      completes the prompt's ``2.``, so a model that stops after line 64 wrote 63, and one that goes on past line 64
+      counts 64. Generation behaviour: when the model stopped (or broke down), not what it kept.
+    - ``fidelity``: the mean over every complete copy written (past line 64 too) of the fraction of the line's
+      numbers in place; None when no copy was written. Content kept, whatever the number of copies.
+
+    ``score`` (the row's ``grade``) is the fidelity, and 0.0 when no copy was written (a grade must be a number; the
+    ``fidelity`` field stays None, and the leaderboard leaves such runs out of its fidelity comparison). No threshold
+    on the number of copies: early stopping is the ``copies`` endpoint, never a lost-content zero. ``extracted`` is
+    the last complete copy."""
     written = copies(text)
-    if len(written) < REPEAT_LINES // 2:
-        return Grade(0.0, f"{len(written)} copies" if written else None)
-    return Grade(fidelity(written[-1], problem.answer), written[-1].group(0).strip())
+    n, fid = endpoints(text, problem.answer, REPEAT_LINES)
+    return Grade(0.0 if fid is None else fid, written[-1].group(0).strip() if written else None,
+                 endpoints={"copies": n, "fidelity": fid})
 
 
 # -- the registry ---------------------------------------------------------------------------------

@@ -425,8 +425,10 @@ def test_grid_protocol_end_to_end_records_the_protocol_and_engine(tiny_dir, tmp_
     assert "disagree" in capsys.readouterr().err
 
 
-def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_dir, tmp_path):
-    from probes.tasks import get_task, grade_repeat, load_problems, repeat_problem
+def test_repeat_task_grades_two_endpoints_and_sweeps_compression(tiny_dir, tmp_path):
+    """The repeat grader's two endpoints, each a function of the text: copies written (capped at 64; the prompt's
+    own first line not counted) and the mean fidelity of the copies written; no threshold joins them."""
+    from probes.tasks import REPEAT_LINES, get_task, grade_repeat, load_problems, repeat_problem
 
     p = repeat_problem(3)
     assert p.prefix == f"1. {p.answer}\n2." and p.system == "" and len(p.answer.split()) == 4
@@ -436,16 +438,30 @@ def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_d
             lines[-1] = f"{n + 1}. {last}"
         return "\n".join(lines) + "\n"
 
+    def endpoints(text):
+        g = grade_repeat(text, p)
+        return g.endpoints["copies"], g.endpoints["fidelity"], g.score
+
     half = " ".join(p.answer.split()[:2] + ["1111", "2222"])
-    assert grade_repeat(copies(40) + "42. 12", p).score == 1.0
-    assert grade_repeat(copies(40, half) + f"42. {p.answer[:6]}", p).score == 0.5  # the cut line does not count
-    # a model that ends the list by itself and writes a sentence is graded on its last copy, not the sentence
+    # early stop with exact copies: few copies (generation behaviour), full fidelity (content kept): no zero
+    assert endpoints(copies(7) + "\nThe output should be the line.") == (7, 1.0, 1.0)
+    assert endpoints(copies(1)) == (1, 1.0, 1.0)
+    # a wrong line lowers the fidelity, by its share of the copies; the cut-off last line does not count
+    n, fid, score = endpoints(copies(40, half) + f"42. {p.answer[:6]}")
+    assert n == 40 and fid == pytest.approx((39 + 0.5) / 40) == score < 1.0
+    assert endpoints(copies(40) + "42. 12") == (40, 1.0, 1.0)
+    # a model that ends the list by itself and writes a sentence: 63 copies (lines 2 to 64), the sentence no copy
     stopped = grade_repeat(copies(63) + "\nThe number of times the number appears is 10.", p)
-    assert stopped.score == 1.0 and stopped.extracted.startswith("64. ")
-    assert grade_repeat(copies(7) + "\nThe output should be the line.", p).score == 0.0  # too few copies: written early
-    assert grade_repeat(copies(40) + "\nsome prose\n", p).score == 1.0
-    assert grade_repeat(copies(40, half) + "\nsome prose\n", p).score == 0.5
-    assert grade_repeat("", p).score == 0.0
+    assert (stopped.endpoints, stopped.score) == ({"copies": 63, "fidelity": 1.0}, 1.0)
+    assert stopped.extracted.startswith("64. ")
+    # more than 64 copies (a model cut off at the length limit past line 64) are capped at 64; all count for fidelity
+    over = copies(70, half)
+    assert endpoints(over) == (REPEAT_LINES, pytest.approx(69.5 / 70), pytest.approx(69.5 / 70))
+    # no copy written: no fidelity (None), and a grade of 0.0, said so in the grader's docstring
+    for text in ("", " 1234 5678", "I cannot do that."):
+        g = grade_repeat(text, p)
+        assert g.endpoints == {"copies": 0, "fidelity": None} and g.score == 0.0 and g.extracted is None
+    assert "0.0 when no copy was written" in " ".join(grade_repeat.__doc__.split())
     assert [q.id for q in load_problems(get_task("repeat"))] == [f"repeat-{i}" for i in range(8)]
     from probes import accuracy
 
@@ -456,6 +472,14 @@ def test_repeat_task_grades_the_last_complete_line_and_sweeps_compression(tiny_d
     rows = _rows(_written(out))
     assert {r["policy"] for r in rows} == {"full", "random"}
     assert all(r["prompt_len"] < 80 and r["events"] > 0 for r in rows if r["policy"] == "random")
+    for r in rows:  # both endpoints in every row, the grade the fidelity (0.0 without a copy)
+        assert 0 <= r["copies"] <= REPEAT_LINES and (r["fidelity"] is None) == (r["copies"] == 0)
+        assert r["grade"] == (r["fidelity"] or 0.0)
+    from analysis.accuracy import endpoint_summary, summarize
+
+    table = summarize(rows)  # the harness's own summary still reads repeat rows, with both endpoints beside
+    assert {t["policy"] for t in table} == {"full", "random"} and all("copies" in t for t in table)
+    assert {t["policy"] for t in endpoint_summary(rows, "copies")} == {"full", "random"}
 
 
 def test_pooled_tasks_tag_each_source(monkeypatch):
