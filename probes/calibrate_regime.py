@@ -18,7 +18,10 @@ The rule (:data:`RULE`, written into ``regime.json`` with the sweep): a point qu
 least 0.8, recency at most 0.5, and Random lies inside [0.1, 0.9] (neither at the floor nor at the ceiling, where
 no selector could differ from it). Of the qualifying points the one whose Random score is closest to 0.5 (the most
 room both ways) is chosen, ties to the earlier of ``--values``. When none qualifies the sweep says so, writes the
-sweep without a choice, and exits 3: it never picks a point silently.
+sweep without a choice, and exits 3: it never picks a point silently. ``--fallback`` asks for the declared second
+tier (:data:`FALLBACK`) in that case: the ceiling's and Random's conditions without the baseline's, the choice marked
+``"tier": "fallback"`` in ``regime.json`` and its reason saying that recency is not below Random there (on a fact
+stated once, Random can fall to the floor before the distance leaves recency's window, so no point has both).
 
 Writes ``OUT/<task>/sweep.csv`` (one row per point and arm: score, 95% bootstrap CI, n) and
 ``OUT/<task>/regime.json`` (the rule, the chosen point or ``null`` with the reason, the command lines).
@@ -42,6 +45,16 @@ ARMS = (CEILING, REFERENCE, BASELINE)
 RULE = {"ceiling_at_least": 0.8, "baseline_at_most": 0.5, "reference_within": [0.1, 0.9],
         "choose": "the qualifying point whose Random score is closest to 0.5; ties: the earlier value",
         "text": "ceiling >= 0.8, recency <= 0.5, 0.1 <= Random <= 0.9"}
+#: The second tier, declared (2026-12-04) before any selector ran at a calibrated point, after the first passcode
+#: sweep showed why it is needed: on a fact stated once, Random falls below 0.1 before the distance leaves recency's
+#: window (at T=512, r=64: Random 0.25 / 0.125 / 0.062 at 4 / 6 / 8 rounds, recency 1.0 / 0.88 / 0.94), so no point
+#: has the baseline below and Random off the floor. Dropping the baseline's condition keeps the two that make a
+#: verdict possible (a ceiling that succeeds, a reference off the floor and the ceiling); the chosen point is marked
+#: ``"tier": "fallback"`` and the docs must say that recency is not below Random there.
+FALLBACK = {"ceiling_at_least": 0.8, "reference_within": [0.1, 0.9],
+            "choose": "when no point satisfies the rule: the point with ceiling >= 0.8 and 0.1 <= Random <= 0.9 "
+                      "whose Random score is closest to 0.5 (ties: the earlier value), marked as the fallback tier",
+            "text": "ceiling >= 0.8, 0.1 <= Random <= 0.9 (the baseline's condition dropped)"}
 PAPER_BUFFER = 64
 
 
@@ -141,24 +154,41 @@ TASKS = {
 }
 
 
-def choose(points: list[dict]) -> tuple[Optional[dict], str]:
-    """The chosen point of a sweep by :data:`RULE` (``points``: ``{"value", "scores": {arm: mean}}`` in sweep
-    order), and why; ``(None, reason)`` when no point qualifies."""
-    lo, hi = RULE["reference_within"]
-    qualifying = []
+def _qualifying(points: list[dict], rule: dict) -> list[dict]:
+    lo, hi = rule["reference_within"]
+    out = []
     for p in points:
         s = p["scores"]
         if any(s.get(arm) is None for arm in ARMS):
             continue
-        if s[CEILING] >= RULE["ceiling_at_least"] and s[BASELINE] <= RULE["baseline_at_most"] and lo <= s[REFERENCE] <= hi:
-            qualifying.append(p)
+        if (s[CEILING] >= rule["ceiling_at_least"] and lo <= s[REFERENCE] <= hi
+                and s[BASELINE] <= rule.get("baseline_at_most", float("inf"))):
+            out.append(p)
+    return out
+
+
+def choose(points: list[dict], *, fallback: bool = False) -> tuple[Optional[dict], str]:
+    """The chosen point of a sweep by :data:`RULE` (``points``: ``{"value", "scores": {arm: mean}}`` in sweep
+    order), and why; ``(None, reason)`` when no point qualifies. With ``fallback`` (``--fallback``), a sweep where no
+    point satisfies the rule is chosen by :data:`FALLBACK`, and the reason says so."""
+    qualifying = _qualifying(points, RULE)
+    tier = "rule"
     if not qualifying:
         fmt = lambda x: "no rows" if x is None else f"{x:.3f}"  # noqa: E731
         seen = "; ".join(f"{p['value']}: " + ", ".join(f"{arm} {fmt(p['scores'].get(arm))}" for arm in ARMS)
                          for p in points)
-        return None, f"no point satisfies {RULE['text']} ({seen})"
+        none = f"no point satisfies {RULE['text']} ({seen})"
+        qualifying = _qualifying(points, FALLBACK) if fallback else []
+        if not qualifying:
+            return None, none + (f"; none satisfies the fallback {FALLBACK['text']} either" if fallback else "")
+        tier = "fallback"
     best = min(qualifying, key=lambda p: abs(p["scores"][REFERENCE] - 0.5))  # min keeps the earliest on ties
-    return best, f"{len(qualifying)} of {len(points)} points qualify; Random closest to 0.5 at {best['value']}"
+    if tier == "fallback":
+        return ({**best, "tier": tier}, f"{none}; by the fallback ({FALLBACK['text']}) {len(qualifying)} of "
+                                        f"{len(points)} points qualify; Random closest to 0.5 at {best['value']} "
+                                        f"(recency is not below Random there)")
+    return ({**best, "tier": tier}, f"{len(qualifying)} of {len(points)} points qualify; Random closest to 0.5 at "
+                                    f"{best['value']}")
 
 
 def main(argv=None) -> int:
@@ -174,6 +204,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="as the probes' --model (default: the embedded model)")
     p.add_argument("--out", default="data/results/calibration")
     p.add_argument("--dry-run", action="store_true", help="print the probe command lines and stop")
+    p.add_argument("--fallback", action="store_true",
+                   help="when no point satisfies the rule, choose by the declared fallback tier (ceiling >= 0.8, "
+                        "0.1 <= Random <= 0.9; recency's condition dropped), marked so in regime.json")
     a = p.parse_args(argv)
     for name in ("units", "budget", "buffer"):
         if getattr(a, name) <= 0:
@@ -210,16 +243,18 @@ def main(argv=None) -> int:
                           "score": None if est is None else est.value, "ci_low": None if est is None else est.lo,
                           "ci_high": None if est is None else est.hi})
         points.append({"value": v, "scores": scores})
-    chosen, reason = choose(points)
+    chosen, reason = choose(points, fallback=a.fallback)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / "sweep.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
         w.writeheader()
         w.writerows(table)
     record = {"task": a.task, "knob": sweep.knob, "endpoint": sweep.endpoint, "rule": RULE,
+              **({"fallback": FALLBACK} if a.fallback else {}),
               "settings": {"budget": a.budget, "buffer": a.buffer, "seed": a.seed, "units": a.units,
                            "model": a.model}, "values": a.values, "points": points,
-              "chosen": None if chosen is None else {sweep.knob: chosen["value"], "scores": chosen["scores"]},
+              "chosen": None if chosen is None else {sweep.knob: chosen["value"], "scores": chosen["scores"],
+                                                     "tier": chosen["tier"]},
               "reason": reason, "commands": ["python " + " ".join(c) for _, c in commands]}
     (root / "regime.json").write_text(json.dumps(record, indent=1) + "\n")
     print(reason)

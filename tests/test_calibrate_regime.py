@@ -38,6 +38,21 @@ def test_no_discriminating_point_is_reported_with_the_sweep():
     assert "ceiling >= 0.8, recency <= 0.5, 0.1 <= Random <= 0.9" in reason and "16: ceiling 0.900" in reason
 
 
+def test_the_fallback_tier_is_used_only_when_asked_and_only_when_the_rule_finds_nothing():
+    # the passcode's shape at T=512, r=64: recency holds the fact while Random is off the floor, then both lose it
+    points = [_p(4, 1.0, 0.25, 1.0), _p(6, 0.875, 0.125, 0.875), _p(8, 0.875, 0.062, 0.938), _p(10, 0.9, 0.0, 0.0)]
+    assert cr.choose(points)[0] is None  # the rule alone never picks silently
+    chosen, reason = cr.choose(points, fallback=True)
+    assert chosen["value"] == 4 and chosen["tier"] == "fallback"
+    assert "fallback" in reason and "recency is not below Random" in reason and "no point satisfies" in reason
+    # a point that satisfies the rule wins over the fallback, which then plays no part
+    chosen, reason = cr.choose(points + [_p(12, 0.9, 0.2, 0.3)], fallback=True)
+    assert chosen["value"] == 12 and chosen["tier"] == "rule" and "fallback" not in reason
+    # the fallback still needs a ceiling that succeeds and Random off the floor
+    chosen, reason = cr.choose([_p(4, 0.7, 0.25, 1.0), _p(8, 0.9, 0.05, 0.9)], fallback=True)
+    assert chosen is None and "fallback" in reason
+
+
 def _write(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
