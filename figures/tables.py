@@ -283,6 +283,50 @@ def leaderboard() -> list[str]:
     return body + ["", f"*From `data/results/{rel}` (`{LEADERBOARD_COMMAND}`); its rows: {rows_from}.*"]
 
 
+BOARD_COMMAND = "python -m probes.board merge data/boards/{name}.toml"
+
+
+def board() -> list[str]:
+    """Every board under ``data/results/board/`` (``python -m probes.board``): per task, endpoint and selector the
+    difference from Random with its CI, raw and board-adjusted p, the MDE and the verdict; a sentence while none has
+    been run."""
+    from analysis.names import result_name
+
+    folder = result_path("board")
+    tables = sorted(p for p in folder.glob("*/board.csv")) if folder.is_dir() else []
+    if not tables:
+        return ["No board has been run yet: `python -m probes.board merge data/boards/NAME.toml` writes "
+                "`data/results/board/NAME/board.csv`, which this table is rendered from."]
+    out: list[str] = []
+    for path in tables:
+        name = path.parent.name
+        rel = f"board/{result_name('board', {'name': name}, 'table')}"
+        rows = read_csv(rel)
+        body = []
+        for r in rows:
+            if r["verdict"] == "missing":
+                body.append([r["task"], r["endpoint"] or "–", r["selector"], "–", r["T"], r["r"], "–", "–", "–", "–",
+                             "–", "missing (no rows yet)"])
+                continue
+            digits = 2 if r["mde_units"] == "nats" else 3
+            body.append([r["task"], r["endpoint"], r["selector"], r["n"], r["T"], r["r"],
+                         ci(r, "value", digits), ci(r, "random", digits), ci(r, "delta", digits, signed=True),
+                         f"{f(r['p'])} ({f(r['p_adjusted'])})",
+                         mde_cell(r) + (" nats" if r["mde_units"] == "nats" and mde_cell(r) != "none" else ""),
+                         r["verdict"]])
+        scored = [r for r in rows if r["verdict"] != "missing"]
+        rule = (f"{'Holm' if scored[0]['adjustment'] == 'holm' else 'Benjamini-Hochberg'} across all "
+                f"{scored[0]['family']} comparisons at alpha {scored[0]['alpha']}") if scored else "no comparison yet"
+        resolved = result_path(f"board/{name}/board.json")
+        spec = read_json(f"board/{name}/board.json").get("spec") if resolved.exists() else None
+        command = f"python -m probes.board merge {spec}" if spec else BOARD_COMMAND.format(name=name)
+        out += [f"Board `{name}` ({rule}):", ""]
+        out += markdown(["task", "endpoint", "selector", "n", "T", "r", "value [95% CI]", "Random [95% CI]",
+                         "difference [95% CI]", "p (adjusted)", "MDE", "verdict"], body)
+        out += ["", f"*From `data/results/{rel}` (`{command}`).*", ""]
+    return out[:-1]
+
+
 def autopsy() -> list[str]:
     out, sources = [], []
     for task in ("copy", "recall"):
@@ -573,7 +617,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
-    "bench_pack": bench_pack, "bench_vllm": bench_vllm, "bench_main_job": bench_main_job,
+    "bench_pack": bench_pack, "bench_vllm": bench_vllm, "bench_main_job": bench_main_job, "board": board,
 }
 
 
