@@ -167,7 +167,10 @@ def table() -> list[str]:
         ("passcode: Retrieval, VaSE", *cell("passcode", "retrieval", policy="vase"), "0.344"),
         ("passcode: mean LP, R-KV", *cell("passcode", "mean_lp", 2, policy="rkv"), "–"),
         ("passcode: mean LP, VaSE", *cell("passcode", "mean_lp", 2, policy="vase"), "–"),
-        ("survival: Random per head after 12 rounds, protected", *cell("survival", "s_h12", policy="random", mode="protected"), "≈ 0.94^12 = 0.48 (T=1,024)"),
+        # like for like: the paper's 0.9375 per round is score-only survival ((T - r)/T, K=1,024, r=64), which T=256,
+        # r=16 share; the protected number's analytic value is ((T - r - lp)/(T - lp))^12 and has no paper counterpart
+        ("survival: Random per head after 12 rounds, score only", *cell("survival", "s_h12", policy="random", mode="score-only"), "0.9375^12 = 0.461 (K=1,024, r=64: the same (T − r)/T)"),
+        ("survival: Random per head after 12 rounds, protected", *cell("survival", "s_h12", policy="random", mode="protected"), "– (analytic ((T − r − ℓp)/(T − ℓp))^12 = 0.323)"),
         ("survival: R-KV per head after 12 rounds, protected", *cell("survival", "s_h12", policy="rkv", mode="protected"), "–"),
         ("survival: Random slot coverage, protected", *cell("survival", "slot_coverage", policy="random", mode="protected"), ".999–1.000"),
         ("prompt protection: Random gain", *cell("prompt_protection", "gain", policy="random"), "+0.42 (MATH500 accuracy)"),
