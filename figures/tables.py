@@ -57,6 +57,28 @@ def head_pooling() -> list[str]:
     return body + ["", footer(rel, "python -m probes.head_pooling", shipped_name("head_pooling"))]
 
 
+def head_pooling_pairs() -> list[str]:
+    """Every pair's superadditivity, ``R(a+b) − R(a) − R(b)`` with its bootstrap CI, from the shipped rows (the
+    probe prints the same lines; analysis.planted computes both)."""
+    import itertools
+
+    from analysis.planted import subset_label, superadditivity
+
+    rel = shipped_name("head_pooling")
+    rows = read_jsonl(rel)
+    heads = sorted({int(h) for r in rows if r["condition"].startswith("h") and "+" not in r["condition"]
+                    for h in r["condition"][1:].split("+")})
+    n = max(heads) + 1 if heads else 0  # the subsets name heads 0..n-1 ("all" is every head)
+    body = []
+    for a, b in itertools.combinations(range(n), 2):
+        na, nb, nab = (subset_label(x, n) for x in ((a,), (b,), (a, b)))
+        est = superadditivity(rows, na, nb, nab)
+        verdict = "superadditive" if est.lo > 0 else "subadditive" if est.hi < 0 else "additive within the CI"
+        body.append([f"heads {a}+{b}", f"{est.value:+.3f} [{est.lo:+.3f}, {est.hi:+.3f}]".replace("-", "−"), verdict])
+    return (markdown(["pair", "R(a+b) − R(a) − R(b) [95% CI]", "reading"], body)
+            + ["", footer(rel, "python -m probes.head_pooling", rel)])
+
+
 def scatter() -> list[str]:
     rel = shipped_name("scatter", "summary")
     rows = read_csv(rel)
@@ -612,6 +634,7 @@ def bench_vllm() -> list[str]:
 TABLES: dict[str, Callable[[], list[str]]] = {
     **{p.name: globals()[p.name] for p in PROBES if p.table},
     "survival_random": survival_random, "challenge": challenge, "before_after": before_after,
+    "head_pooling_pairs": head_pooling_pairs,
     "prompt_budget": prompt_budget, "bench_decode": bench_decode,
     "bench_round_cost": bench_round_cost, "bench_aims": bench_aims,
     "bench_equal_memory": bench_equal_memory, "bench_replay": bench_replay,
