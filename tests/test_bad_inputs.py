@@ -404,6 +404,94 @@ CLI_ROWS = [
      "config_type.toml:1: --budget: expected an integer, got '12x'; the accepted keys are"),
     ("grid-alias-K", "probes.grid", ["{S}/grid_alias.toml"], "grid_alias.toml:2: K: not a key here; did you mean budget?"),
 ]
+# -- the board (probes.board): its spec files, refused before any model loads, nothing written ----------------------
+_BOARD = '[board]\nalpha = 0.05\nadjustment = "holm"\nout = "bout"\n'
+_PASSCODE = '[tasks.passcode]\nbudget = 96\nbuffer = 16\ninstances = 2\n'
+_CALIBRATED = _BOARD + _PASSCODE + 'rounds = "calibrated"\ncalibration = "{}"\n'
+PLANTED.update({name: text.encode() for name, text in {
+    "board_ok.toml": _BOARD + _PASSCODE + "rounds = 5\n",
+    "board_bad.toml": '[board]\nalpha = 0.05\nadjustment = "holm\n',
+    "board_table.toml": _BOARD + "[settings]\nx = 1\n",
+    "board_task.toml": _BOARD + "[tasks.pascode]\nbudget = 96\nbuffer = 16\n",
+    "board_key.toml": _BOARD + _PASSCODE + "distance = 100\n",
+    "board_type.toml": _BOARD + '[tasks.passcode]\nbudget = 96\nbuffer = 16\ninstances = "many"\n',
+    "board_value.toml": _BOARD + "[tasks.passcode]\nbudget = 96\nbuffer = 16\ninstances = 0\n",
+    "board_budget.toml": _BOARD + "[tasks.passcode]\nbudget = 16\nbuffer = 16\n",
+    "board_alpha.toml": '[board]\nalpha = 1.5\nadjustment = "holm"\n' + _PASSCODE,
+    "board_adjust.toml": '[board]\nalpha = 0.05\nadjustment = "bonferroni"\n' + _PASSCODE,
+    "board_undeclared.toml": '[board]\nadjustment = "holm"\n' + _PASSCODE,
+    "board_board_key.toml": _BOARD + "budget = 96\n" + _PASSCODE,
+    "board_selector.toml": _BOARD + 'selectors = ["nope"]\n' + _PASSCODE,
+    "board_random.toml": _BOARD + 'selectors = ["random"]\n' + _PASSCODE,
+    "regime_none.json": '{"task": "passcode", "knob": "rounds", "chosen": null, "reason": "no point satisfies '
+                        'ceiling >= 0.8 (5: ceiling 0.100, random 0.000, recency 0.000)"}\n',
+    "regime_planted.json": '{"task": "planted", "knob": "distance", "chosen": {"distance": 128}, "reason": "1 of 2"}\n',
+    "regime_passcode.json": '{"task": "passcode", "knob": "rounds", "chosen": {"rounds": 5}, "reason": "1 of 2", '
+                            '"settings": {"budget": 96, "buffer": 64}}\n',
+    "board_cal_none.toml": _CALIBRATED.format("regime_none.json"),
+    "board_cal_missing.toml": _CALIBRATED.format("regime_nope.json"),
+    "board_cal_task.toml": _CALIBRATED.format("regime_planted.json"),
+    "board_cal_buffer.toml": _CALIBRATED.format("regime_passcode.json"),
+    "board_cal_knob.toml": _BOARD + '[tasks.passcode]\nbudget = "calibrated"\nbuffer = 64\n'
+                                    'calibration = "regime_passcode.json"\n',
+    "board_cal_alone.toml": _BOARD + _PASSCODE + 'rounds = "calibrated"\n',
+}.items()})
+CLI_ROWS += [
+    ("board-spec-missing", "probes.board", ["register", "{S}/nope.toml"], "{S}/nope.toml: no such file"),
+    ("board-spec-not-toml", "probes.board", ["register", "{S}/board_bad.toml"],
+     "{S}/board_bad.toml:3: not valid TOML"),
+    ("board-table-unknown", "probes.board", ["register", "{S}/board_table.toml"],
+     "board_table.toml:5: unknown table [settings]; the spec has the tables [board] and [tasks.<task>]"),
+    ("board-task-unknown", "probes.board", ["register", "{S}/board_task.toml"],
+     "board_task.toml:5: [tasks.pascode]: unknown task 'pascode'; did you mean passcode?"),
+    ("board-task-key-unknown", "probes.board", ["register", "{S}/board_key.toml"],
+     "board_key.toml:9: [tasks.passcode] distance: the passcode task does not take distance; did you mean instances?; "
+     "the accepted ones are budget, buffer, instances, passcode_instances, rounds, batch, calibration"),
+    ("board-board-key-unknown", "probes.board", ["register", "{S}/board_board_key.toml"],
+     "board_board_key.toml:5: [board] budget: not a key of the [board] table; the accepted ones are name, model"),
+    ("board-wrong-type", "probes.board", ["register", "{S}/board_type.toml"],
+     "board_type.toml:8: [tasks.passcode] instances: must be an integer, got 'many' (str)"),
+    ("board-bad-value", "probes.board", ["register", "{S}/board_value.toml"],
+     "board_value.toml:8: [tasks.passcode] instances: must be a positive integer, got 0"),
+    ("board-budget-at-r", "probes.board", ["register", "{S}/board_budget.toml"],
+     "board_budget.toml:6: [tasks.passcode] budget: T=16 must exceed the recent window r=16"),
+    ("board-alpha-above-one", "probes.board", ["register", "{S}/board_alpha.toml"],
+     "board_alpha.toml:2: [board] alpha: must be strictly between 0 and 1, got 1.5"),
+    ("board-adjustment-unknown", "probes.board", ["register", "{S}/board_adjust.toml"],
+     "board_adjust.toml:3: [board] adjustment: must be one of holm, bh"),
+    ("board-alpha-undeclared", "probes.board", ["register", "{S}/board_undeclared.toml"],
+     "board_undeclared.toml:1: [board]: declare alpha"),
+    ("board-selector-unknown", "probes.board", ["register", "{S}/board_selector.toml"],
+     "board_selector.toml:5: [board] selectors: 'nope' is unknown"),
+    ("board-random-as-selector", "probes.board", ["register", "{S}/board_random.toml"],
+     "board_random.toml:5: [board] selectors: random is the reference"),
+    ("board-calibration-chose-nothing", "probes.board", ["register", "{S}/board_cal_none.toml"],
+     "board_cal_none.toml:9: [tasks.passcode] rounds: regime_none.json chose nothing: no point satisfies ceiling >= "
+     "0.8 (5: ceiling 0.100, random 0.000, recency 0.000)"),
+    ("board-calibration-missing", "probes.board", ["register", "{S}/board_cal_missing.toml"],
+     "board_cal_missing.toml:9: [tasks.passcode] rounds: the calibration file regime_nope.json does not exist"),
+    ("board-calibration-other-task", "probes.board", ["register", "{S}/board_cal_task.toml"],
+     "[tasks.passcode] rounds: regime_planted.json is the regime of the planted task, not of passcode"),
+    ("board-calibration-other-knob", "probes.board", ["register", "{S}/board_cal_knob.toml"],
+     "[tasks.passcode] budget: regime_passcode.json calibrated the passcode task's rounds, not budget"),
+    ("board-calibration-other-r", "probes.board", ["register", "{S}/board_cal_buffer.toml"],
+     "board_cal_buffer.toml:7: [tasks.passcode] buffer: regime_passcode.json was calibrated at buffer = 64; this task "
+     "runs at 16"),
+    ("board-calibrated-without-file", "probes.board", ["register", "{S}/board_cal_alone.toml"],
+     "[tasks.passcode] rounds: 'calibrated' needs calibration = \"path/to/regime.json\""),
+    ("board-run-unregistered", "probes.board", ["run", "{S}/board_ok.toml"],
+     "[tasks.passcode]: the passcode task is not registered in bout/passcode/spec.json; run `python -m probes.board "
+     "register {S}/board_ok.toml`"),
+    ("board-run-task-not-in-spec", "probes.board", ["run", "{S}/board_ok.toml", "--tasks", "planted"],
+     "--tasks: planted not in {S}/board_ok.toml (its tasks: passcode)"),
+    ("board-run-processes-negative", "probes.board", ["run", "{S}/board_ok.toml", "--processes", "-1"],
+     "--processes: must be a non-negative integer, got -1"),
+    ("board-target-mde-zero", "probes.board", ["merge", "{S}/board_ok.toml", "--target-mde", "0"],
+     "--target-mde: must be strictly between 0 and 1"),
+    ("board-target-mde-one", "probes.board", ["merge", "{S}/board_ok.toml", "--target-mde", "1"],
+     "--target-mde: must be strictly between 0 and 1"),
+    ("board-stage-unknown", "probes.board", ["rerun", "{S}/board_ok.toml"], "invalid choice: 'rerun'"),
+]
 # Planted-fact rows without their own flag set take PLANTED_ARGS (their flags come last and win).
 _PLANTED_PROBES = ("probes.head_pooling", "probes.scatter", "probes.two_facts", "probes.blocks", "probes.shared_draw")
 CLI_ROWS = [(i, m, (PLANTED_ARGS + a if m in _PLANTED_PROBES else a), msg) for i, m, a, msg in CLI_ROWS]
@@ -744,7 +832,7 @@ def test_a_sequence_past_max_position_warns():
 def test_the_table_covers_every_command():
     modules = {m for _, m, _, _ in CLI_ROWS}
     for name in ("head_pooling", "scatter", "two_facts", "blocks", "survival", "prompt_protection", "shared_draw",
-                 "passcode", "accuracy", "challenge", "leaderboard", "grid", "demo", "traces"):
+                 "passcode", "accuracy", "challenge", "leaderboard", "board", "grid", "demo", "traces"):
         assert f"probes.{name}" in modules
     assert {"figures.__main__", "randattn.calibrate", "randattn.cli"} <= modules
     assert {m for m in modules if m.startswith("bench.")} == {f"bench.{b}" for b in (
