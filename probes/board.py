@@ -58,6 +58,7 @@ from analysis.files import replacing
 from analysis.names import result_name
 
 from . import leaderboard, registration
+from .calibrate_regime import PAPER_BUFFER
 from .config_errors import ConfigError, flag_of
 
 FORMAT = "randattn board 1"
@@ -623,6 +624,10 @@ def describe(board: Board) -> list[str]:
                if t.calibration else "")
         out.append(f"  {task:<9} T={t.config.budget}, r={t.config.buffer}{', ' + opts if opts else ''}{cal} -> "
                    f"{t.folder}")
+    ablations = [t for t in board.ordered() if board.tasks[t].config.buffer != PAPER_BUFFER and t != "repeat"]
+    if ablations:
+        out.append(f"  r != {PAPER_BUFFER} (the paper's) for {', '.join(ablations)}: label them ablations unless the "
+                   f"task's length does not allow r = {PAPER_BUFFER}")
     return out
 
 
