@@ -127,11 +127,11 @@ def protection_gains(rows: list[dict], *, seed: int = 0, n_resamples: int = 10_0
     return out
 
 
-def table_results(rows: list[dict], task: str) -> dict:
+def table_results(rows: list[dict], task: str, field: str = "grade") -> dict:
     """``{(policy, column): {problem: [grades]}}`` for :func:`randattn.stats.comparison_table`: one column per K and
     protection mode (``copy K=256``, ``copy K=256 score only``), so every cell is compared with Random under the same
-    K and protection; full attention is repeated in each column."""
-    grades = grades_by_arm(rows)
+    K and protection; full attention is repeated in each column. ``field``: another per-row score than the grade."""
+    grades = grades_by_arm(rows, field)
     columns = sorted({(a.budget, a.protect) for a in grades if a.policy != FULL}, key=lambda c: (c[0], not c[1]))
     results = {}
     for k, protect in columns:

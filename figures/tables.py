@@ -187,32 +187,38 @@ def accuracy() -> list[str]:
 
 
 def accuracy_repeat() -> list[str]:
-    from analysis.repeat import DEGENERATE, copies, fidelity
+    from analysis.accuracy import table_results
+    from analysis.repeat import DEGENERATE, LINES
+    from randattn.stats import comparison_table
 
     rel = shipped_name("accuracy_repeat")
     rows = read_jsonl(rel)
     table = result_path(rel).with_suffix(".table.md").read_text().strip().splitlines()
     sweep = sorted({(r["budget"], r["compression"]) for r in rows if r.get("compression")}, reverse=True)
+    shares = [{**r, "share": r["copies"] / LINES} for r in rows]
+    copies = comparison_table(table_results(shares, "repeat", "share"), reference="random").strip().splitlines()
 
     def how(group: list[dict]) -> list[str]:
-        """How the generations ended: copies written, stopped by themselves, degenerate (one digit 30+ times in a
-        row), and the last copy's fidelity whatever the number of copies (the grade's count rule left out)."""
-        written = [copies(r["output"]) for r in group]
-        last = [fidelity(w[-1], r["answer"]) if w else 0.0 for w, r in zip(written, group)]
+        """How the generations ended: copies written (the endpoint, capped at 64), tokens, stopped by themselves,
+        degenerate (one digit 30+ times in a row), and the fidelity of the copies written (the other endpoint)."""
         n = len(group)
-        return [f"{sum(map(len, written)) / n:.1f}", f"{sum(r['gen_len'] for r in group) / n:,.0f}",
+        fid = [r["fidelity"] for r in group if r["fidelity"] is not None]
+        return [f"{sum(r['copies'] for r in group) / n:.1f}", f"{sum(r['gen_len'] for r in group) / n:,.0f}",
                 f"{sum(bool(r['terminated']) for r in group)} of {n}",
-                f"{sum(bool(DEGENERATE.search(r['output'])) for r in group)} of {n}", f"{sum(last) / n:.3f}"]
+                f"{sum(bool(DEGENERATE.search(r['output'])) for r in group)} of {n}",
+                f"{sum(fid) / len(fid):.3f}" if fid else "–", f"{n - len(fid)} of {n}"]
 
     arms = list(dict.fromkeys((r["policy"], r["budget"]) for r in rows))
-    detail = markdown(["method", "K", "copies written (mean)", "tokens (mean)", "stopped by itself", "degenerate",
-                       "last copy's fidelity, any count"],
+    detail = markdown(["method", "K", "copies written (mean, of 64)", "tokens (mean)", "stopped by itself",
+                       "degenerate", "fidelity of copies written", "no copy written"],
                       [[pol, "–" if k is None else str(k)] + how([r for r in rows if (r["policy"], r["budget"]) == (pol, k)])
                        for pol, k in arms])
-    return table + ["", "Budgets: " + ", ".join(f"K={k} is {c:g}×" for k, c in sweep) + " (of the mean full-attention "
-                    "length). How the generations ended:", ""] + detail + [
+    return (["Fidelity of the copies written (the row's grade; content kept):", ""] + table
+            + ["", f"Copies written, as a share of {LINES} (generation behaviour: when the model stopped):", ""] + copies
+            + ["", "Budgets: " + ", ".join(f"K={k} is {c:g}×" for k, c in sweep) + " (of the mean full-attention "
+               "length). How the generations ended:", ""] + detail + [
         "", footer(rel, "python -m probes.accuracy --task repeat --compression 2 4 8 16 --policy full random "
-                        "triattention vase --runs 1")]
+                        "triattention vase --runs 1")])
 
 
 def prompt_budget() -> list[str]:

@@ -758,8 +758,10 @@ def planned_units(table: list[dict], target: float, alpha: float = ALPHA) -> lis
 def print_plan(plan_rows: list[dict]) -> None:
     print(f"\nunits for an MDE of {plan_rows[0]['target'] if plan_rows else '?'} (80% power, the board's level; "
           f"from the board's own noise):")
+    width = max([10, *(len(r["task"]) for r in plan_rows)])
     for r in plan_rows:
-        print(f"  {r['task']:<10} has {r['n']:>4}, needs {'–' if r['units'] is None else r['units']:>6}  ({r['how']})")
+        print(f"  {r['task']:<{width}} has {r['n']:>4}, needs {'–' if r['units'] is None else r['units']:>6}  "
+              f"({r['how']})")
 
 
 def _fmt_mde(x: float) -> str:
