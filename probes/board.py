@@ -624,6 +624,14 @@ def describe(board: Board) -> list[str]:
                if t.calibration else "")
         out.append(f"  {task:<9} T={t.config.budget}, r={t.config.buffer}{', ' + opts if opts else ''}{cal} -> "
                    f"{t.folder}")
+    if "repeat" in board.tasks:  # T from compression; r as the leaderboard hands the accuracy harness its run
+        from .tasks import TASKS as ACCURACY_TASKS
+
+        t = board.tasks["repeat"]
+        r = leaderboard.accuracy_config(t.config, "repeat", t.folder).buffer or ACCURACY_TASKS["repeat"].buffer
+        unused = f"; budget {t.config.budget} and buffer {t.config.buffer} are registered, not used"
+        out.append(f"  repeat: T = full attention's mean length / {t.config.compression:g} and r = {r}, as the "
+                   f"leaderboard runs the repeat task{unused if r != t.config.buffer else ''}")
     ablations = [t for t in board.ordered() if board.tasks[t].config.buffer != PAPER_BUFFER and t != "repeat"]
     if ablations:
         out.append(f"  r != {PAPER_BUFFER} (the paper's) for {', '.join(ablations)}: label them ablations unless the "
