@@ -289,3 +289,54 @@ def test_another_accuracy_task_and_the_full_attention_ceiling(tiny_dir, tmp_path
     assert 0 <= float(row["full_attention"]) <= 1
     (rows_file,) = out.glob("*/math500/*.jsonl")
     assert {r["policy"] for r in _rows(rows_file)} == {"full", "recency", "random"}
+
+
+def test_the_repeat_slot_gives_two_endpoint_rows_and_the_reference_log_prob_its_lp_columns(tiny_dir, tmp_path):
+    """The repeat task is two scored rows per selector, copies written as a share of 64 and the fidelity of the copies
+    written, both in the board's Holm family; --reference-lp gives the copy row and the repeat task's fidelity row the
+    reference continuation's log-prob compared with Random (lp columns). The tiny model writes no copy, so its repeat
+    outputs are replaced by written ones and re-graded (python -m probes.regrade); the board is re-merged from them."""
+    import json
+
+    from probes import regrade
+    from probes.leaderboard import REPEAT_COPIES, REPEAT_FIDELITY
+
+    flags = ["--model", tiny_dir, "--out", str(tmp_path / "lb"), "--policies", "recency", "--tasks", "copy", "repeat",
+             "--problems", "2", "--repeat-problems", "2", "--max-new-tokens", "40", "--compression", "0.5",
+             "--budget", "240", "--buffer", "8", "--no-figure", "--reference-lp"]
+    assert _main(*flags) == 0
+    (rows_file,) = (tmp_path / "lb").glob("*/repeat/*-s0.jsonl")
+    (ref_file,) = (tmp_path / "lb").glob("*/repeat/*.reference_lp.jsonl")
+    assert {r["policy"] for r in _rows(ref_file)} == {"full", "recency", "random"}
+    written = {"recency": [50, 30], "random": [20, 10], "full": [64, 64]}  # copies per problem
+    rows = []
+    for r in _rows(rows_file):
+        n, line = written[r["policy"]][int(r["problem"].split("-")[1])], r["answer"]
+        wrong = "1111 2222 3333 4444" if r["policy"] == "random" else line  # Random's last copy is wrong
+        text = f" {line}\n" + "".join(f"{k}. {line if k < n + 1 else wrong}\n" for k in range(3, n + 2))
+        rows.append({**r, "output": text})
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    regrade.regrade_file(rows_file)
+    assert _main(*flags) == 0  # nothing pending: the board from the rows on disk
+    board = _board(tmp_path / "lb")
+    assert [(r["test"], r["metric"]) for r in board] == [
+        ("copy", "copy accuracy"), ("repeat copies", REPEAT_COPIES), ("repeat fidelity", REPEAT_FIDELITY)]
+    copy, copies, fidelity = board
+    assert float(copies["value"]) == pytest.approx((50 + 30) / 2 / 64)
+    assert float(copies["random"]) == pytest.approx((20 + 10) / 2 / 64)
+    assert float(copies["full_attention"]) == pytest.approx(1.0)
+    assert float(fidelity["value"]) == 1.0 and float(fidelity["random"]) == pytest.approx((19 / 20 + 9 / 10) / 2)
+    for r in (copy, fidelity):  # the reference log-prob: on the copy row and the repeat task's content row
+        assert r["lp_delta"] != "" and float(r["lp_delta_lo"]) <= float(r["lp_delta"]) <= float(r["lp_delta_hi"])
+        assert r["lp_verdict"] in leaderboard_verdicts() and r["full_attention_lp"] != ""
+    assert copies["lp_delta"] == ""  # one log-prob comparison per task and selector
+    assert {int(r["family"]) for r in board} == {3 + 2}  # three scores and two log-probs, one Holm family
+    refs = {(r["problem"], r["run"], r["policy"]): r for r in _rows(ref_file)}
+    lps = [refs[(p, 0, "recency")]["ref_lp"] - refs[(p, 0, "random")]["ref_lp"] for p in ("repeat-0", "repeat-1")]
+    assert float(fidelity["lp_delta"]) == pytest.approx(sum(lps) / 2)
+
+
+def leaderboard_verdicts():
+    from probes import leaderboard
+
+    return set(leaderboard.VERDICTS.values())

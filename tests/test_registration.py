@@ -74,3 +74,26 @@ def test_the_shipped_board_is_registered_with_the_setting_of_its_rows():
     assert not any(t["preregistered"] for t in tasks.values())  # registered after its rows: said so
     cfg = leaderboard.Config(runs=3, instances=8, cost_repeats=1)  # docs/probes.md's shipped command
     registration.check(root, leaderboard.registered(cfg))
+
+
+def test_sampling_and_the_reference_log_prob_are_registered_and_an_older_spec_reads_as_greedy(tmp_path):
+    """--temperature, --top-p, --reference-lp and --reference-tokens are registered per copy and repeat task (a sampled
+    board is pre-registered as such); a spec written before they existed reads as the one setting there was then."""
+    cfg = _config(tasks=("copy", "repeat"))
+    spec = leaderboard.registered(cfg)
+    for task in ("copy", "repeat"):
+        assert {k: spec[task][k] for k in registration.ADDED_FIELDS} == registration.ADDED_FIELDS
+    assert leaderboard.registered(_config(tasks=("repeat",), temperature=0.7, top_p=0.9, reference_lp=True,
+                                          reference_tokens=64))["repeat"]["temperature"] == 0.7
+    registration.record(tmp_path, spec)
+    data = json.loads((tmp_path / "spec.json").read_text())
+    for task in data["tasks"].values():  # as a board registered before issue 37 wrote it
+        for field in registration.ADDED_FIELDS:
+            del task["spec"][field]
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    registration.check(tmp_path, leaderboard.registered(cfg))
+    for change, field in (({"temperature": 0.7}, "temperature"), ({"reference_lp": True}, "reference_lp"),
+                          ({"reference_lp": True, "reference_tokens": 32}, "reference_lp")):
+        with pytest.raises(ConfigError) as err:
+            registration.check(tmp_path, leaderboard.registered(_config(tasks=("copy", "repeat"), **change)))
+        assert err.value.field == field and "registered its copy task" in err.value.message
