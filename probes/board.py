@@ -183,6 +183,8 @@ def task_keys(task: str) -> dict[str, str]:
     apply to it."""
     out: dict[str, str] = {}
     for name in registration.TASK_FIELDS[task]:
+        if name == "repeat_buffer":  # the repeat task's r is its table's buffer (set by _read_task), not a key
+            continue
         out.setdefault(name.removeprefix(f"{task}_"), name)
         out.setdefault(name, name)
     for name, tasks in DESCRIPTIVE.items():
@@ -416,6 +418,8 @@ def _read_task(board: Board, task: str, table: dict) -> Task:
         settings[key] = value
     if calibration is not None:
         settings["calibration"] = calibration.file
+    if task == "repeat":  # the leaderboard hands the accuracy harness the repeat task's own r unless told
+        values["repeat_buffer"] = values["buffer"]
     folder = board.out / task
     common = {f: board.settings[f] for f in BOARD_FIELDS}
     try:
@@ -629,10 +633,9 @@ def describe(board: Board) -> list[str]:
 
         t = board.tasks["repeat"]
         r = leaderboard.accuracy_config(t.config, "repeat", t.folder).buffer or ACCURACY_TASKS["repeat"].buffer
-        unused = f"; budget {t.config.budget} and buffer {t.config.buffer} are registered, not used"
-        out.append(f"  repeat: T = full attention's mean length / {t.config.compression:g} and r = {r}, as the "
-                   f"leaderboard runs the repeat task{unused if r != t.config.buffer else ''}")
-    ablations = [t for t in board.ordered() if board.tasks[t].config.buffer != PAPER_BUFFER and t != "repeat"]
+        out.append(f"  repeat: T = full attention's mean length / {t.config.compression:g} and r = {r} (the table's "
+                   f"buffer); its budget {t.config.budget} is registered, not used")
+    ablations = [t for t in board.ordered() if board.tasks[t].config.buffer != PAPER_BUFFER]
     if ablations:
         out.append(f"  r != {PAPER_BUFFER} (the paper's) for {', '.join(ablations)}: label them ablations unless the "
                    f"task's length does not allow r = {PAPER_BUFFER}")

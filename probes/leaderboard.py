@@ -143,6 +143,9 @@ class Config(EvictionConfig):
     repeat_problems: int = option(8, "repeat: problems", check=POSITIVE)
     compression: float = option(4.0, "repeat: T = full attention's mean generation length / compression",
                                 check=POSITIVE)
+    repeat_buffer: Optional[int] = option(None, "repeat: its r (default: the repeat task's own, 8; the paper's is "
+                                                "64; a board's repeat task runs at its spec's buffer)",
+                                          check=POSITIVE)
     instances: int = option(16, "question: instances", check=POSITIVE)
     body: int = option(512, "question: reasoning tokens between the question and its restatement", check=POSITIVE)
     passcode_instances: int = option(16, "passcode: instances", check=POSITIVE)
@@ -240,7 +243,7 @@ def accuracy_config(config: Config, task: str, root: Path) -> accuracy.Config:
         return accuracy.Config(policy=(*full, *config.policies_run), budget=(config.budget,), buffer=config.buffer,
                                problems=config.problems, data=config.data, **common)
     return accuracy.Config(policy=(FULL, *config.policies_run), compression=(config.compression,),
-                           problems=config.repeat_problems, **common)
+                           buffer=config.repeat_buffer, problems=config.repeat_problems, **common)
 
 
 def board_root(config: Config, model_name: str) -> Path:

@@ -38,7 +38,7 @@ TASK_FIELDS = {
     "copy": ("accuracy_task", "data", "problems", "runs", "max_new_tokens", "temperature", "top_p", "reference_lp",
              "reference_tokens"),
     "repeat": ("repeat_problems", "compression", "runs", "max_new_tokens", "temperature", "top_p", "reference_lp",
-               "reference_tokens"),
+               "reference_tokens", "repeat_buffer"),
     "question": ("instances", "body", "batch"),
     "passcode": ("passcode_instances", "rounds", "batch"),
     "planted": ("planted_instances", "distance", "batch"),
@@ -48,7 +48,8 @@ SHARED_FIELDS = ("model", "budget", "buffer", "protect_prompt", "seed", "stats",
 #: Fields added to a task's spec after boards were registered without them (issue 37: sampling and the reference
 #: log-prob of the copy and repeat tasks), with the value every run had before they existed: a registered spec that
 #: lacks one is read as having that value.
-ADDED_FIELDS = {"temperature": 0.0, "top_p": 1.0, "reference_lp": False, "reference_tokens": None}
+ADDED_FIELDS = {"temperature": 0.0, "top_p": 1.0, "reference_lp": False, "reference_tokens": None,
+                "repeat_buffer": None}
 
 
 def task_spec(config, task: str, *, grade: str, verdict: dict) -> dict:

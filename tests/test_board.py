@@ -282,3 +282,19 @@ def test_the_figure_draws_from_board_csv_alone(tmp_path):
     assert figure.main([str(table), "--out", str(tmp_path / "figs")]) == 0
     paths = [tmp_path / "figs" / f"board.{ext}" for ext in ("png", "pdf")]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_the_repeat_task_runs_at_its_tables_buffer(tiny_dir, tmp_path):
+    """A board's [tasks.repeat] buffer is the r its accuracy runs get (a plain leaderboard run keeps the repeat task's
+    own r = 8: the shipped board's rows are at r = 8), and it is registered, so another r is refused by field."""
+    from probes import board, leaderboard
+
+    path = tmp_path / "rep.toml"
+    path.write_text(f'[board]\nmodel = "{tiny_dir}"\nselectors = ["recency"]\nout = "{tmp_path / "rep"}"\n'
+                    'alpha = 0.05\nadjustment = "holm"\n\n[tasks.repeat]\nbudget = 96\nbuffer = 64\nproblems = 2\n')
+    t = board.read(path).tasks["repeat"]
+    assert t.config.repeat_buffer == 64
+    assert leaderboard.accuracy_config(t.config, "repeat", t.folder).buffer == 64
+    assert leaderboard.registered(t.config)["repeat"]["repeat_buffer"] == 64
+    plain = leaderboard.Config(tasks=("repeat",))
+    assert plain.repeat_buffer is None and leaderboard.accuracy_config(plain, "repeat", tmp_path).buffer is None

@@ -82,14 +82,15 @@ def test_sampling_and_the_reference_log_prob_are_registered_and_an_older_spec_re
     cfg = _config(tasks=("copy", "repeat"))
     spec = leaderboard.registered(cfg)
     for task in ("copy", "repeat"):
-        assert {k: spec[task][k] for k in registration.ADDED_FIELDS} == registration.ADDED_FIELDS
+        added = {k: v for k, v in registration.ADDED_FIELDS.items() if k in registration.TASK_FIELDS[task]}
+        assert {k: spec[task][k] for k in added} == added and ("repeat_buffer" in added) == (task == "repeat")
     assert leaderboard.registered(_config(tasks=("repeat",), temperature=0.7, top_p=0.9, reference_lp=True,
                                           reference_tokens=64))["repeat"]["temperature"] == 0.7
     registration.record(tmp_path, spec)
     data = json.loads((tmp_path / "spec.json").read_text())
     for task in data["tasks"].values():  # as a board registered before issue 37 wrote it
         for field in registration.ADDED_FIELDS:
-            del task["spec"][field]
+            task["spec"].pop(field, None)
     (tmp_path / "spec.json").write_text(json.dumps(data))
     registration.check(tmp_path, leaderboard.registered(cfg))
     for change, field in (({"temperature": 0.7}, "temperature"), ({"reference_lp": True}, "reference_lp"),
@@ -97,3 +98,6 @@ def test_sampling_and_the_reference_log_prob_are_registered_and_an_older_spec_re
         with pytest.raises(ConfigError) as err:
             registration.check(tmp_path, leaderboard.registered(_config(tasks=("copy", "repeat"), **change)))
         assert err.value.field == field and "registered its copy task" in err.value.message
+    with pytest.raises(ConfigError) as err:  # the repeat task's r: an older spec ran the task's own (None here)
+        registration.check(tmp_path, leaderboard.registered(_config(tasks=("copy", "repeat"), repeat_buffer=64)))
+    assert err.value.field == "repeat_buffer" and "registered its repeat task" in err.value.message
