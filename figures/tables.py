@@ -79,6 +79,39 @@ def head_pooling_pairs() -> list[str]:
             + ["", footer(rel, "python -m probes.head_pooling", rel)])
 
 
+def calibration() -> list[str]:
+    """Every regime calibration under ``data/results/calibration/`` (``python -m probes.calibrate_regime``): per task
+    and point the ceiling's, Random's and recency's scores, and the point the rule (or its declared fallback tier)
+    chose; a sentence while none has been run."""
+    folder = result_path("calibration")
+    files = sorted(folder.glob("*/*/regime.json")) if folder.is_dir() else []
+    if not files:
+        return ["No calibration has been run yet: `python -m probes.calibrate_regime TASK --values ...` writes "
+                "`data/results/calibration/<setting>/<task>/regime.json`, which this table is rendered from."]
+    body, sources = [], []
+    for path in files:
+        rel = path.relative_to(folder.parent).as_posix()
+        data = read_json(rel)
+        chosen = data.get("chosen") or {}
+        pick = chosen.get(data["knob"])
+        settings = data["settings"]
+        for point in data["points"]:
+            s = point["scores"]
+            mark = "–"
+            if point["value"] == pick:
+                mark = "**chosen** (rule)" if chosen.get("tier", "rule") == "rule" else "**chosen** (fallback tier)"
+            budget = "swept" if data["knob"] == "budget" else str(settings["budget"])
+            body.append([data["task"], budget, str(settings["buffer"]),
+                         f"{data['knob']} {point['value']}", str(settings["units"]), f(s.get("ceiling")),
+                         f(s.get("random")), f(s.get("recency")), mark])
+        if not chosen:
+            body.append([data["task"], "", "", "", "", "", "", "", "no point chosen (no regime on this model)"])
+        sources.append(f"`data/results/{rel}`")
+    command = "python -m probes.calibrate_regime TASK --values ... [--fallback]"
+    return (markdown(["task", "T", "r", "point", "units", "ceiling", "Random", "recency", "choice"], body)
+            + ["", f"*From {', '.join(sources)} (`{command}`; the command lines of each point are in its file).*"])
+
+
 def scatter() -> list[str]:
     rel = shipped_name("scatter", "summary")
     rows = read_csv(rel)
@@ -647,6 +680,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
     "bench_pack": bench_pack, "bench_vllm": bench_vllm, "bench_main_job": bench_main_job, "board": board,
+    "calibration": calibration,
 }
 
 
