@@ -14,6 +14,9 @@ class ConfigError(ValueError):
         self.field = field_name
         self.message = message
 
+    def __reduce__(self):  # so a worker process's refusal reaches the driver as itself, not as a broken pool
+        return type(self), (self.field, self.message)
+
 
 def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")

@@ -344,7 +344,7 @@ def plan(config: Config, model: ModelInfo) -> Plan:
                          "scratch": str(root / "work" / task / policy_slug(p))}
                     parts = [{"condition": c} for c in conds] if conds else None
                     work.append(make_unit("leaderboard", model.name, o, {"policy": p}, [{"instance": i} for i in idx],
-                                          w, parts=parts, label=f"{task}: {p} {idx[0]}-{idx[-1]}"))
+                                          w, parts=parts, label=f"{task}: {p} {idx[0]}-{idx[-1]}", serial=True))
         elif task == "cost":
             o = output("cost", ("policy", "metric"), repeats=config.cost_repeats, rounds=config.cost_rounds,
                        cost_batch=config.cost_batch)

@@ -102,6 +102,9 @@ class Unit:
     id: str = ""
     label: str = ""  # a short description for progress and failure messages
     stage: str = ""  # the progress bar a command line shows it under (default: its plan's kind)
+    # A unit that resumes a file shared with the units before it (the leaderboard's passcode and planted batches
+    # extend one scratch run per policy): run in plan order in one process, never side by side.
+    serial: bool = False
 
     def __post_init__(self):
         self.id = self.id or stable_id(self.ids or self.items)
@@ -138,7 +141,7 @@ def _hashable(value):
 
 def make_unit(kind: str, model: str, output: Output, fixed: dict, items: list[dict], work: dict, *,
               parts: Optional[list[dict]] = None, fanout: Optional[dict] = None, salt: Any = None,
-              label: str = "", stage: str = "") -> Unit:
+              label: str = "", stage: str = "", serial: bool = False) -> Unit:
     """A unit whose item ids hash the output's config (less where it was measured), the unit's key fields, the
     item and the unit's membership (a batch's composition and seed decide its rows); ``salt``: anything else that
     decides them and is in no key (e.g. a batch seed)."""
@@ -147,7 +150,8 @@ def make_unit(kind: str, model: str, output: Output, fixed: dict, items: list[di
     config = {k: v for k, v in output.config.items() if k not in INFORMATIONAL}
     parts, fanout = parts or [{}], fanout or {}
     ids = [stable_id(config, fixed, parts, fanout, salt, item, items) for item in items]
-    return Unit(kind, model, output.path, fixed, items, work, parts, fanout, ids, label=label, stage=stage)
+    return Unit(kind, model, output.path, fixed, items, work, parts, fanout, ids, label=label, stage=stage,
+                serial=serial)
 
 
 @dataclass
@@ -304,6 +308,7 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
     results file as it finishes; returns ``{output path: ResultsFile}``. ``stages``: a list that gets each plan
     run (the first, then each ``then``), so a caller merges with the last."""
     files = dict(files or {})
+    announced: set = set()  # a resumed file is announced once, not again at each later stage that appends to it
     while True:
         if stages is not None:
             stages.append(plan)
@@ -312,13 +317,14 @@ def run_local(plan: Plan, model, tok, *, restart: bool = False, desc: Optional[s
         # One progress bar (and one "already there" line) per run of consecutive units of one stage; a caller's
         # ``desc`` names them all.
         for stage, group in itertools.groupby(plan.units, key=lambda u: desc or u.stage or plan.kind):
-            _run_group(list(group), files, model, tok, stage, getattr(plan.config, "processes", 1))
+            _run_group(list(group), files, model, tok, stage, getattr(plan.config, "processes", 1), announced)
         if plan.then is None:
             return files
         plan = plan.then({path: rf.rows for path, rf in files.items()})
 
 
-def _run_group(group: list[Unit], files: dict, model, tok, desc: str, processes: int = 1) -> None:
+def _run_group(group: list[Unit], files: dict, model, tok, desc: str, processes: int = 1,
+               announced: Optional[set] = None) -> None:
     todo = []
     for u in group:
         rf = files[u.output]
@@ -327,8 +333,11 @@ def _run_group(group: list[Unit], files: dict, model, tok, desc: str, processes:
             todo.append(p)
     total = sum(len(u.parts) for u in group)
     left = sum(len(u.parts) for u in todo)
-    if total and left < total:
-        tqdm.write(f"{', '.join(sorted({str(files[u.output].path) for u in group}))}: {total - left} of "
+    paths = ', '.join(sorted({str(files[u.output].path) for u in group}))
+    if total and left < total and paths not in (announced if announced is not None else ()):
+        if announced is not None:
+            announced.add(paths)
+        tqdm.write(f"{paths}: {total - left} of "
                    f"{total} batch results already there (an earlier run, or the results shipped with the repo); "
                    + ("computing the rest" if todo else "nothing to compute, printing them")
                    + "; --restart recomputes everything")

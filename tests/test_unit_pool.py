@@ -1,5 +1,7 @@
 """Units side by side (probes.unit_pool): the same rows file, byte for byte, as one process writes, and the auto rule."""
 
+import json
+
 import pytest
 import torch
 
@@ -59,3 +61,31 @@ def test_processes_must_not_be_negative(tiny_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         head_pooling.main(["--model", tiny_dir, "--out", str(tmp_path), "--processes", "-1", *SMALL])
     assert "processes" in capsys.readouterr().err
+
+
+def test_the_leaderboards_passcode_and_planted_batches_run_in_one_process(tiny_dir, tmp_path):
+    """Their batches extend one scratch run per policy (probes.leaderboard): --processes 2 runs them in plan order in
+    one process (it once broke the pool: two workers locked one scratch folder) and writes the one-process rows."""
+    from probes import leaderboard
+
+    small = ["--model", tiny_dir, "--tasks", "passcode", "planted", "--policies", "recency", "--passcode-instances",
+             "4", "--planted-instances", "4", "--rounds", "3", "--distance", "60", "--batch", "2", "--budget", "240",
+             "--buffer", "8", "--no-figure"]
+    rows = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}"
+        assert leaderboard.main([*small, "--out", str(out), "--processes", str(n)]) == 0
+        rows[n] = {p.name: [{k: v for k, v in json.loads(line).items() if k != "config"}
+                            for line in p.read_text().splitlines()] for p in out.glob("*/*.jsonl")}
+    assert set(rows[1]) == {"passcode.jsonl", "planted.jsonl"} and rows[1] == rows[2]
+
+
+def test_a_workers_refusal_reaches_the_driver_as_itself():
+    """A ConfigError raised in a pool process is pickled back whole (field and message), not a broken pool."""
+    import pickle
+
+    from probes.config_errors import ConfigError
+
+    back = pickle.loads(pickle.dumps(ConfigError("budget", "must be positive")))
+    assert isinstance(back, ConfigError) and (back.field, back.message) == ("budget", "must be positive")
+    assert str(back) == "--budget: must be positive"
