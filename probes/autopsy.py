@@ -111,12 +111,12 @@ def recall_cases(tok, indices, *, body: int, seed: int, traces: Path, max_new: O
 
     tasks = Tasks(tok, load_rows(traces), body=body, seed=seed)
     if max(indices) >= len(tasks):
-        raise ConfigError("index", f"the recall task has {len(tasks)} problems of one layout; use indices < {len(tasks)}")
+        raise ConfigError("index", f"the recall task has {len(tasks)} problems; use indices < {len(tasks)}")
     out = []
     for k in indices:
         ids, start = tasks.build(k)
         ref = tok.decode(ids[start:])
-        out.append(Case(f"recall-{k}", ids[:start], tasks.prompt_len, max_new or len(ids) - start, grade_recall(ref),
+        out.append(Case(f"recall-{k}", ids[:start], tasks.prompt_len_of(k), max_new or len(ids) - start, grade_recall(ref),
                         ref))
     return out
 

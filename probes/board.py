@@ -771,7 +771,7 @@ def merge(board: Board, *, target_mde: Optional[float] = None, figures: bool = T
 
     for task in board.tasks:  # a spec changed after registration (another alpha, another adjustment) is refused
         check_registered(board, task, required=False)
-    wide, missing, rs, costs = [], [], {}, {}
+    wide, missing, short, rs, costs = [], [], [], {}, {}
     selectors = list(board.tasks[next(iter(board.tasks))].config.selectors)
     for task, t in board.tasks.items():
         rs[task] = _recorded_buffer(t.folder) or t.config.buffer
@@ -790,6 +790,9 @@ def merge(board: Board, *, target_mde: Optional[float] = None, figures: bool = T
             continue
         have = {r["policy"] for r in rows}
         missing += [(task, s) for s in selectors if s not in have]
+        n, registered = max(int(r["n"]) for r in rows), registered_units(task, t.config)
+        if n < registered:  # a verdict on fewer units than registered is flagged, never passed off as the spec's
+            short.append((task, n, registered))
         for r in rows:
             if r["policy"] in selectors:
                 wide.append({**r, "task": task})
@@ -810,8 +813,14 @@ def merge(board: Board, *, target_mde: Optional[float] = None, figures: bool = T
             tidy.append({"task": task, "test": task, "endpoint": "cost" if task == "cost" else "", "selector": s,
                          "verdict": MISSING, "T": t.config.budget, "r": t.config.buffer,
                          "note": f"no rows yet: python -m probes.board run {board.path} --tasks {task}"})
+    for x in tidy:
+        x["note"] = x["note"] or next((f"n = {n} units, fewer than the {reg} registered" for task, n, reg in short
+                                       if task == x["task"]), "")
     path = write_csv(board.out / TABLE, tidy)
     print_board(board, tidy, missing)
+    for task, n, reg in short:
+        print(f"short: {task} has rows for {n} units, fewer than the {reg} its spec registered; run its stage again "
+              f"(python -m probes.board run {board.path} --tasks {task}) or say why in the docs")
     if target_mde is not None:
         scored = [r for r in wide if r.get("family")]
         if scored:
@@ -820,6 +829,13 @@ def merge(board: Board, *, target_mde: Optional[float] = None, figures: bool = T
     if figures and any(r["verdict"] != MISSING for r in tidy):
         draw(path, figure_dir or board.out)
     return path
+
+
+def registered_units(task: str, config) -> int:
+    """The units (instances or problems) a task's spec asks for: the n its comparisons should reach."""
+    return {"question": config.instances, "passcode": config.passcode_instances,
+            "planted": config.planted_instances, "copy": config.problems,
+            "repeat": config.repeat_problems}[task]
 
 
 def _default_model() -> str:

@@ -314,13 +314,15 @@ def plan(config: Config, model: ModelInfo) -> Plan:
                 later.append((task, inner.then))
         elif task == "question":
             tasks = _question_tasks(model.tokenizer, str(_traces(config)), config.body, config.seed)
-            config.fits(config.spec(), tasks.prompt_len, what="question task")
-            n = min(config.instances, len(tasks))
+            if config.instances > len(tasks):
+                raise ConfigError("instances", f"the question task's traces make {len(tasks)} instances; use "
+                                               f"--instances <= {len(tasks)} or more traces")
+            n = config.instances
+            config.fits(config.spec(), max(tasks.prompt_len_of(k) for k in range(n)), what="question task")
             o = output("question", ("instance", "policy"), body=config.body)
             meta["tasks"][task] = o.path
             for p in ([FULL] if config.full_attention else []) + pols:
-                for b in range(0, n, config.batch):
-                    idx = list(range(b, min(n, b + config.batch)))
+                for idx in tasks.batches(n, config.batch):
                     w = {"task": task, "traces": str(_traces(config)), "body": config.body, "seed": config.seed,
                          "idx": idx, "policy": p, "protect": config.protect_prompt, "budget": config.budget,
                          "buffer": config.buffer, "batch_seed": batch_seed(config.seed, idx[0]),

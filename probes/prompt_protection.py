@@ -62,17 +62,40 @@ class Tasks:
                              ["input_ids"]) for r in rows]
         self.restate = [enc(RESTATE) + enc(r["question"]) for r in rows]
         self.texts = [enc(r["text"].strip() + "\n\n") for r in rows]
-        # One batchable layout: the most common (prompt, restatement) length pair.
-        shape = Counter((len(p), len(q)) for p, q in zip(self.prompts, self.restate)).most_common(1)[0][0]
-        self.pool = [i for i in range(len(rows)) if (len(self.prompts[i]), len(self.restate[i])) == shape]
-        random.Random(seed).shuffle(self.pool)
-        self.prompt_len, self.body = shape[0], body
+        # Instances batch only with their own layout (prompt and restatement lengths). The most common layout comes
+        # first, shuffled as it always was, so instance k of it is the same problem for any count asked; the other
+        # layouts follow, most common first, each shuffled with its own seed (they widen the task past one layout).
+        shapes = [(len(p), len(q)) for p, q in zip(self.prompts, self.restate)]
+        counts = Counter(shapes)
+        self.pool = []
+        for n, shape in enumerate(sorted(counts, key=lambda s: (-counts[s], s))):
+            members = [i for i in range(len(rows)) if shapes[i] == shape]
+            random.Random(seed if n == 0 else f"{seed}:{shape}").shuffle(members)
+            self.pool += members
+        self.prompt_len, self.body = self.prompt_len_of(0), body  # the most common layout's
         self.prefix_len = len(enc(RESTATE))
         self.stream = [t for text in self.texts for t in text]
         self.digit = {i for i in range(len(tok)) if tok.decode([i]).strip().isdigit()}
 
     def __len__(self) -> int:
         return len(self.pool)
+
+    def prompt_len_of(self, k: int) -> int:
+        return len(self.prompts[self.pool[k]])
+
+    def layout(self, k: int) -> tuple[int, int]:
+        return self.prompt_len_of(k), len(self.restate[self.pool[k]])
+
+    def batches(self, n: int, size: int) -> list[list[int]]:
+        """Instances ``0..n-1`` in batches of at most ``size``, none mixing two layouts (a batch is one tensor)."""
+        if n > len(self):
+            raise ValueError(f"{n} instances asked; the traces make {len(self)}")
+        out: list[list[int]] = []
+        for k in range(n):
+            if not out or len(out[-1]) == size or self.layout(out[-1][0]) != self.layout(k):
+                out.append([])
+            out[-1].append(k)
+        return out
 
     def build(self, k: int) -> tuple[list[int], int]:
         """(ids, first scored position) of instance ``k``."""
@@ -82,15 +105,16 @@ class Tasks:
         start = rng.randrange(0, len(self.stream) - self.body)
         body = body + self.stream[start : start + self.body - len(body)]
         ids = self.prompts[i] + body + self.restate[i]
-        return ids, self.prompt_len + self.body + self.prefix_len
+        return ids, len(self.prompts[i]) + self.body + self.prefix_len
 
 
 def run_batch(model, tasks: Tasks, idx: list[int], policy: str, protect: bool, *, budget: int, buffer: int,
               seed: int, options: Optional[dict] = None) -> list[dict]:
     """Replay instances ``idx`` under one policy (``"full"``: no eviction); one row per instance with the digit
     accuracy and mean log-prob of the restated question."""
+    assert len({tasks.layout(k) for k in idx}) == 1, f"instances {idx} mix layouts: use Tasks.batches"
     return replay_built(model, [tasks.build(k) for k in idx], idx, policy, protect, budget=budget, buffer=buffer,
-                        seed=seed, prompt_len=tasks.prompt_len, digit=tasks.digit, options=options)
+                        seed=seed, prompt_len=tasks.prompt_len_of(idx[0]), digit=tasks.digit, options=options)
 
 
 def replay_built(model, built: list, idx: list[int], policy: str, protect: bool, *, budget: int, buffer: int,
@@ -156,34 +180,35 @@ def plan(config: Config, model: ModelInfo) -> Plan:
         config.bind(config.spec(pol), model.bind_target)
     tasks = Tasks(model.tokenizer, rows, body=config.body, seed=config.seed)
     if len(tasks) < config.instances:
-        raise ConfigError("instances", f"only {len(tasks)} traces share one prompt layout; use --instances <= "
+        raise ConfigError("instances", f"the traces make only {len(tasks)} instances; use --instances <= "
                                        f"{len(tasks)} or more traces")
+    prompt_len = max(tasks.prompt_len_of(k) for k in range(config.instances))  # the longest prompt among them
     if config.body >= len(tasks.stream):
         raise ConfigError("body", f"{config.body} tokens: the traces hold only {len(tasks.stream)}; use a smaller --body "
                                   "or longer --traces")
-    longest = tasks.prompt_len + config.body + max(len(tasks.restate[i]) for i in tasks.pool)
+    longest = config.body + max(sum(tasks.layout(k)) for k in range(config.instances))
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and longest > limit:
         raise ConfigError("body", f"{config.body} makes instances of {longest} tokens, past the model's "
                                   f"max_position_embeddings={limit}; use --body <= {config.body - (longest - limit)}")
-    config.fits(None, tasks.prompt_len)  # the protected arms pin the prompt
+    config.fits(None, prompt_len)  # the protected arms pin the prompt
     model_name = model.name
     record = {"probe": "prompt_protection", "engine": randattn.ENGINE, "model": model_name, "budget": config.budget,
               "buffer": config.buffer, "body": config.body, "seed": config.seed, "batch": config.batch,
-              "prompt_len": tasks.prompt_len, "traces": trace_label(traces), **run_record(model.model)}
+              "prompt_len": prompt_len, "traces": trace_label(traces), **run_record(model.model)}
     output = Output(str(folder / result_name("prompt_protection", record)), record, KEY)
     describe = (f"model {model_name} | T={config.budget} per head after a round, r={config.buffer} | prompt "
                 f"{tasks.prompt_len} tokens, body {config.body} (~{config.body // config.buffer} rounds), restated "
                 f"question {len(tasks.restate[tasks.pool[0]]) - tasks.prefix_len} tokens")
     arms = [("full", False)] + [(pol, prot) for pol in config.policies for prot in (False, True)]
-    batches = [list(range(b, min(config.instances, b + config.batch))) for b in range(0, config.instances, config.batch)]
+    batches = tasks.batches(config.instances, config.batch)
     todo = []
     for policy, protect in arms:
         for idx in batches:
             seed = batch_seed(config.seed, idx[0])
             work = {"built": [tasks.build(k) for k in idx], "idx": idx, "policy": policy, "protect": protect,
-                    "budget": config.budget, "buffer": config.buffer, "seed": seed, "prompt_len": tasks.prompt_len,
-                    "digit": tasks.digit}
+                    "budget": config.budget, "buffer": config.buffer, "seed": seed,
+                    "prompt_len": tasks.prompt_len_of(idx[0]), "digit": tasks.digit}
             todo.append(make_unit("prompt_protection", model_name, output, {"policy": policy, "protect": protect},
                                   [{"instance": i} for i in idx], work, salt=seed,
                                   label=f"{policy} protect={protect} from {idx[0]}", stage="prompt protection"))

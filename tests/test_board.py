@@ -298,3 +298,23 @@ def test_the_repeat_task_runs_at_its_tables_buffer(tiny_dir, tmp_path):
     assert leaderboard.registered(t.config)["repeat"]["repeat_buffer"] == 64
     plain = leaderboard.Config(tasks=("repeat",))
     assert plain.repeat_buffer is None and leaderboard.accuracy_config(plain, "repeat", tmp_path).buffer is None
+
+
+def test_a_task_with_fewer_units_than_registered_is_flagged_in_the_table_and_the_output(tiny_dir, tmp_path, capsys):
+    from probes import board
+    from probes.planted_run import write_csv
+
+    spec = _spec(tmp_path, tiny_dir, "short")
+    spec.write_text(spec.read_text().replace("instances = 2\nbody", "instances = 20\nbody"))
+    assert _main("register", spec) == 0
+    b = board.read(spec)
+    rng = random.Random(7)
+    for task in ("question", "passcode"):  # 12 units each: the question registered 20, the passcode 2
+        write_csv(b.tasks[task].folder / "leaderboard.csv", _synthetic_rows(task, ["recency", "streamingllm"], rng))
+    capsys.readouterr()
+    assert _main("merge", spec, "--no-figure") == 0
+    printed = capsys.readouterr().out
+    assert "short: question has rows for 12 units, fewer than the 20 its spec registered" in printed
+    assert "short: passcode" not in printed
+    notes = {(r["task"], r["note"]) for r in _table(b.out / "board.csv")}
+    assert notes == {("question", "n = 12 units, fewer than the 20 registered"), ("passcode", "")}
