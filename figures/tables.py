@@ -374,7 +374,7 @@ def board() -> list[str]:
                          ci(r, "value", digits), ci(r, "random", digits), ci(r, "delta", digits, signed=True),
                          f"{f(r['p'])} ({f(r['p_adjusted'])})",
                          mde_cell(r) + (" nats" if r["mde_units"] == "nats" and mde_cell(r) != "none" else ""),
-                         r["verdict"]])
+                         r["verdict"] + (f" ({r['note']})" if r.get("note") else "")])
         scored = [r for r in rows if r["verdict"] != "missing"]
         rule = (f"{'Holm' if scored[0]['adjustment'] == 'holm' else 'Benjamini-Hochberg'} across all "
                 f"{scored[0]['family']} comparisons at alpha {scored[0]['alpha']}") if scored else "no comparison yet"
