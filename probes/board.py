@@ -701,7 +701,7 @@ def _value(column: str, text: str):
     """A cell of a leaderboard.csv as the board wrote it: None, a bool, an int, a float or text."""
     if text == "":
         return None
-    if any(column == c or column.endswith("_" + c) for c in _TEXT):
+    if any(column in (c, "lp_" + c) for c in _TEXT):  # not a suffix match: ``signed_unit`` is a bool, not a unit
         return text
     if text in ("True", "False"):
         return text == "True"

@@ -354,7 +354,8 @@ def plan(config: Config, model: ModelInfo) -> Plan:
             for p in config.selectors:
                 work.append(make_unit("leaderboard", model.name, o, {"policy": p},
                                       [{"metric": ROUND_COST}, {"metric": THROUGHPUT}],
-                                      {"task": task, "config": config, "policy": p}, label=f"cost: {p} vs random"))
+                                      {"task": task, "config": config, "policy": p}, label=f"cost: {p} vs random",
+                                      serial=True))  # timed: never side by side with another unit
     # The cheap tasks first and the long ones last (planted replays, then the repeat task's full attention), so that
     # a run cut short has its quickest tables on disk.
     work.sort(key=lambda u: RUN_ORDER.index(u.work["task"]))

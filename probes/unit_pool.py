@@ -38,7 +38,7 @@ def _ram() -> Optional[int]:
 
 def pool_size(processes: int, model, units: list, known: Container[str]) -> int:
     """How many processes run ``units``: 1 when any unit is ``serial`` (it extends a file the units before it
-    wrote); ``processes`` when given (>= 1); else (0, auto) 2 on a CPU with two or more
+    wrote, or it is timed); ``processes`` when given (>= 1); else (0, auto) 2 on a CPU with two or more
     cores where torch may use two or more threads (``OMP_NUM_THREADS=1`` asks for one core: one process), when two
     more copies of the model fit in a quarter of the RAM and every unit is of a kind in ``known`` (the registered
     kinds, which a new process can import) and pickles, else 1 (a GPU, a large model, a kind made in this process,

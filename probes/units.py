@@ -103,7 +103,8 @@ class Unit:
     label: str = ""  # a short description for progress and failure messages
     stage: str = ""  # the progress bar a command line shows it under (default: its plan's kind)
     # A unit that resumes a file shared with the units before it (the leaderboard's passcode and planted batches
-    # extend one scratch run per policy): run in plan order in one process, never side by side.
+    # extend one scratch run per policy), or that times something (the leaderboard's cost units: a unit beside it
+    # would share its cores): run in plan order in one process, never side by side.
     serial: bool = False
 
     def __post_init__(self):

@@ -88,3 +88,29 @@ def test_a_target_mde_outside_0_1_is_refused_before_anything_loads():
                              text=True, timeout=120)
         assert out.returncode == 2 and "--target-mde: must be strictly between 0 and 1" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_a_task_table_read_back_by_the_board_keeps_its_types_and_its_mde(tmp_path):
+    """The board re-adjusts every task's leaderboard.csv as read back from disk: the read must give back the row the
+    leaderboard wrote, so that a fractional task keeps its normal-approximation MDE (``signed_unit`` read as the
+    text "False" made every fractional task's MDE the sign test's, 0.42-0.48 instead of 0.06-0.08 on the board's
+    copy task)."""
+    from probes.board import read_table
+    from probes.planted_run import write_csv
+
+    a = {i: [0.5 + 0.01 * (i % 7)] for i in range(32)}
+    b = {i: [0.5] for i in range(32)}
+    la = {i: [-1.0 + 0.1 * (i % 5)] for i in range(32)}
+    lb = {i: [-1.2] for i in range(32)}
+    written = [_row("frac", a, b, lp=(la, lb)), _row("other", *_binary(3, 3, 26))]
+    adjust_board(written)
+    back = read_table(write_csv(tmp_path / "leaderboard.csv", [dict(r) for r in written]))
+    assert [r["signed_unit"] for r in back] == [False, True]
+    assert back[0]["unit"] == "problems" and back[0]["lp_verdict"] == written[0]["lp_verdict"]
+    adjust_board(back)
+    assert back[0]["mde_method"] == "normal"
+    for before, after in zip(written, back):
+        for key in ("mde", "mde_method", "p_adjusted", "verdict", "lp_mde", "lp_p_adjusted", "lp_verdict"):
+            if key in before:
+                assert after[key] == pytest.approx(before[key]) if isinstance(before[key], float) \
+                    else after[key] == before[key], key

@@ -340,3 +340,22 @@ def leaderboard_verdicts():
     from probes import leaderboard
 
     return set(leaderboard.VERDICTS.values())
+
+
+def test_the_timed_cost_units_never_run_side_by_side(tiny_dir):
+    """The cost task times each selector against Random: a second process on the same cores would be in the timing,
+    so its units run one at a time whatever --processes asks (the copy task's units still run side by side)."""
+    import randattn
+    from probes import leaderboard
+    from probes.unit_pool import pool_size
+    from probes.units import KINDS, ModelInfo
+
+    model, tok = randattn.load_model(tiny_dir, device="cpu")
+    config = leaderboard.Config(model=tiny_dir, policies=("recency", "snapkv"), tasks=("copy", "cost"),
+                                problems=2, budget=240, buffer=8, max_new_tokens=8, out="/nonexistent-never-written")
+    plan = leaderboard.plan(config, ModelInfo.loaded(tiny_dir, model, tok))
+    cost = [u for u in plan.units if u.work["task"] == "cost"]
+    copy = [u for u in plan.units if u.work["task"] == "copy"]
+    assert len(cost) == 2 and all(u.serial for u in cost)
+    assert pool_size(2, model, cost, KINDS) == 1
+    assert pool_size(2, model, copy, KINDS) == 2
