@@ -388,6 +388,81 @@ def board() -> list[str]:
     return out[:-1]
 
 
+BOARD_V2 = "smollm2-135m-v2"
+
+
+def _verdict_counts(rows: list[dict], col: str = "verdict") -> str:
+    """better / no detectable difference / worse, as counts over a task's selectors."""
+    verdicts = [r[col] for r in rows]
+    return f"{verdicts.count('better')}/{verdicts.count('no detectable difference')}/{verdicts.count('worse')}"
+
+
+def _spread(rows: list[dict], col: str, digits: int) -> str:
+    values = [float(r[col]) for r in rows if r.get(col) not in (None, "")]
+    return f"{f(min(values), digits)} to {f(max(values), digits)}" if values else "–"
+
+
+def board_vs_leaderboard() -> list[str]:
+    """The shipped leaderboard (one T and r for every task, 8-32 units, the repeat task at its own r = 8) beside the
+    board re-run at the calibrated, pre-registered settings (``smollm2-135m-v2``): per task and endpoint the setting,
+    the units, Random, the selectors' range and the count of verdicts, each side read from its own result file."""
+    from probes.tasks import TASKS
+
+    old_rel = shipped_name("leaderboard", "table")
+    old_folder = shipped_name("leaderboard", "folder")
+    old_rows = read_csv(old_rel)
+    old_spec = read_json(f"{old_folder}/spec.json")["tasks"]
+    new_rel = f"board/{BOARD_V2}/board.csv"
+    new_rows = [r for r in read_csv(new_rel) if r["endpoint"] != "cost" and r["verdict"] != "missing"]
+    body = []
+    for (task, test, endpoint) in dict.fromkeys((r["task"], r["test"], r["endpoint"]) for r in new_rows):
+        new = [r for r in new_rows if (r["task"], r["test"], r["endpoint"]) == (task, test, endpoint)]
+        lp = endpoint == "log-prob"
+        digits = 2 if lp else 3
+        old = [r for r in old_rows if r["test"] == test and (r.get("lp_delta") if lp else True)]
+        if old:
+            spec = old_spec[task]["spec"]
+            old_r = spec.get("repeat_buffer") or TASKS["repeat"].buffer if task == "repeat" else spec["buffer"]
+            value, ref, verdict = ("lp", "random_lp", "lp_verdict") if lp else ("value", "random", "verdict")
+            old_cells = [old[0]["budget"], str(old_r), old[0]["n"], f(old[0][ref], digits),
+                         _spread(old, value, digits), _verdict_counts(old, verdict)]
+        else:
+            old_cells = ["–"] * 6
+        full = new[0].get("full_attention")
+        body.append([task, endpoint] + old_cells
+                    + [new[0]["T"], new[0]["r"], new[0]["n"], f(full, digits) if full else "–",
+                       f(new[0]["random"], digits), _spread(new, "value", digits), _verdict_counts(new)])
+    out = markdown(["task", "endpoint", "leaderboard T", "r", "n", "Random", "selectors", "better/ndd/worse",
+                    "board T", "r", "n", "full attention", "Random", "selectors", "better/ndd/worse"], body)
+    return out + ["", f"*Left: `data/results/{old_rel}` (`{LEADERBOARD_COMMAND}`; verdicts as that file gives them, "
+                      f"Holm within the leaderboard). Right: `data/results/{new_rel}` (`python -m probes.board merge "
+                      f"data/boards/{BOARD_V2}.toml`; Holm across the whole board). Log-prob values in nats, as each "
+                      f"task's log-prob endpoint defines them; 'ndd': no detectable difference.*"]
+
+
+def board_cost() -> list[str]:
+    """The board ``smollm2-135m-v2``'s cost task: per selector, ms per eviction round and decode tokens/s as ratios
+    to Random's, measured interleaved with Random in one unit (descriptive: no verdict)."""
+    rel = f"board/{BOARD_V2}/board.csv"
+    rows = read_csv(rel)
+    per = {}
+    for r in rows:
+        if r.get("round_cost_ratio") or r.get("throughput_ratio"):
+            per.setdefault(r["selector"], r)
+    if not per:
+        return [f"The cost task of `{BOARD_V2}` has no rows yet."]
+    body = [[s, "×" + f(r["round_cost_ratio"], 2) if r.get("round_cost_ratio") else "–",
+             "×" + f(r["throughput_ratio"], 2) if r.get("throughput_ratio") else "–"] for s, r in per.items()]
+    spec = read_json(f"board/{BOARD_V2}/cost/spec.json")["tasks"]["cost"]["spec"]
+    cost_rows = read_jsonl(f"board/{BOARD_V2}/cost/cost.jsonl")
+    return markdown(["selector", "ms per round ÷ Random's", "decode tokens/s ÷ Random's"], body) + [
+        "", f"*From `data/results/{rel}` (`python -m probes.board run data/boards/{BOARD_V2}.toml --tasks cost`, then "
+            f"`merge`): T = {spec['budget']}, r = {spec['buffer']}, {spec['cost_batch']} sequences per timed "
+            f"generation, {spec['cost_rounds']} rounds, {spec['cost_repeats']} repeat(s), each selector interleaved "
+            f"with Random in one unit, units one at a time; rows: {provenance(f'board/{BOARD_V2}/cost/cost.jsonl')}"
+            f" ({len(cost_rows)} rows).*"]
+
+
 def autopsy() -> list[str]:
     out, sources = [], []
     for task in ("copy", "recall"):
@@ -680,7 +755,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "accuracy_repeat": accuracy_repeat, "bench_batch_scaling": bench_batch_scaling, "bench_memory": bench_memory,
     "bench_kvpress": bench_kvpress, "bench_kvpress_order": bench_kvpress_order, "grid_overhead": grid_overhead,
     "bench_pack": bench_pack, "bench_vllm": bench_vllm, "bench_main_job": bench_main_job, "board": board,
-    "calibration": calibration,
+    "calibration": calibration, "board_vs_leaderboard": board_vs_leaderboard, "board_cost": board_cost,
 }
 
 
