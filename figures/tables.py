@@ -402,12 +402,16 @@ def _spread(rows: list[dict], col: str, digits: int) -> str:
     return f"{f(min(values), digits)} to {f(max(values), digits)}" if values else "–"
 
 
+def _recorded_r(folder: str, task: str) -> str:
+    """r as a leaderboard task's rows record it (the repeat task runs at its own, not the leaderboard's)."""
+    (rows,) = sorted(result_path(f"{folder}/{task}").glob("*.jsonl"))
+    return str(read_jsonl(f"{folder}/{task}/{rows.name}")[0]["config"]["buffer"])
+
+
 def board_vs_leaderboard() -> list[str]:
     """The shipped leaderboard (one T and r for every task, 8-32 units, the repeat task at its own r = 8) beside the
     board re-run at the calibrated, pre-registered settings (``smollm2-135m-v2``): per task and endpoint the setting,
     the units, Random, the selectors' range and the count of verdicts, each side read from its own result file."""
-    from probes.tasks import TASKS
-
     old_rel = shipped_name("leaderboard", "table")
     old_folder = shipped_name("leaderboard", "folder")
     old_rows = read_csv(old_rel)
@@ -422,7 +426,7 @@ def board_vs_leaderboard() -> list[str]:
         old = [r for r in old_rows if r["test"] == test and (r.get("lp_delta") if lp else True)]
         if old:
             spec = old_spec[task]["spec"]
-            old_r = spec.get("repeat_buffer") or TASKS["repeat"].buffer if task == "repeat" else spec["buffer"]
+            old_r = _recorded_r(old_folder, task) if task == "repeat" else spec["buffer"]
             value, ref, verdict = ("lp", "random_lp", "lp_verdict") if lp else ("value", "random", "verdict")
             old_cells = [old[0]["budget"], str(old_r), old[0]["n"], f(old[0][ref], digits),
                          _spread(old, value, digits), _verdict_counts(old, verdict)]

@@ -669,7 +669,10 @@ def run(board: Board, only: Optional[list[str]] = None, *, processes: int = 0, d
     for task in tasks:
         t = board.tasks[task]
         config = t.config.replace(processes=processes, device=device)
-        tqdm.write(f"board {board.name}: {task} | {', '.join(config.selectors)} vs random | T={config.budget}, "
+        # the repeat task's T comes from full attention's mean length (printed when measured), not its budget
+        budget = (f"full attention's mean length / {config.compression:g}" if task == "repeat"
+                  else str(config.budget))
+        tqdm.write(f"board {board.name}: {task} | {', '.join(config.selectors)} vs random | T={budget}, "
                    f"r={config.buffer} | {t.folder}")
         try:
             plan = leaderboard.plan(config, info)

@@ -23,7 +23,7 @@ def _config(path: Path) -> dict:
 @pytest.mark.parametrize("path", ROWS, ids=lambda p: str(p.relative_to(RESULTS)))
 def test_every_shipped_rows_file_is_named_by_its_recorded_configuration(path):
     config = _config(path)
-    part = "nll" if path.name.startswith("nll-") else "rows"
+    part = "nll" if path.name.startswith("nll-") else "reference_lp" if ".reference_lp" in path.name else "rows"
     assert result_name(config["probe"], config, part) == path.name
 
 
