@@ -30,6 +30,15 @@ def _binary(wins, losses, ties):
     return a, b
 
 
+def _fractional_board() -> list[dict]:
+    """A fractional score with a log-prob (32 problems) beside a 0/1 score: two score comparisons and one log-prob."""
+    a = {i: [0.5 + 0.01 * (i % 7)] for i in range(32)}
+    b = {i: [0.5] for i in range(32)}
+    la = {i: [-1.0 + 0.1 * (i % 5)] for i in range(32)}
+    lb = {i: [-1.2] for i in range(32)}
+    return [_row("frac", a, b, lp=(la, lb)), _row("other", *_binary(3, 3, 26))]
+
+
 def test_a_lone_p_0016_is_not_better_across_a_45_comparison_board():
     alone = [_row("rkv", *_binary(7, 0, 1))]
     adjust_board(alone)
@@ -53,11 +62,7 @@ def test_a_strong_effect_survives_the_adjustment_and_its_mde_is_the_sign_tests()
 
 
 def test_fractional_scores_get_the_normal_mde_and_log_probs_join_the_family():
-    a = {i: [0.5 + 0.01 * (i % 7)] for i in range(32)}
-    b = {i: [0.5] for i in range(32)}
-    la = {i: [-1.0 + 0.1 * (i % 5)] for i in range(32)}
-    lb = {i: [-1.2] for i in range(32)}
-    board = [_row("frac", a, b, lp=(la, lb)), _row("other", *_binary(3, 3, 26))]
+    board = _fractional_board()
     adjust_board(board)
     frac = board[0]
     assert frac["family"] == 3 and frac["lp_family"] == 3  # two scores + one log-prob
@@ -93,16 +98,12 @@ def test_a_target_mde_outside_0_1_is_refused_before_anything_loads():
 def test_a_task_table_read_back_by_the_board_keeps_its_types_and_its_mde(tmp_path):
     """The board re-adjusts every task's leaderboard.csv as read back from disk: the read must give back the row the
     leaderboard wrote, so that a fractional task keeps its normal-approximation MDE (``signed_unit`` read as the
-    text "False" made every fractional task's MDE the sign test's, 0.42-0.48 instead of 0.06-0.08 on the board's
+    text "False" made every fractional task's MDE the sign test's, 0.42-0.48 instead of 0.06-0.09 on the board's
     copy task)."""
     from probes.board import read_table
     from probes.planted_run import write_csv
 
-    a = {i: [0.5 + 0.01 * (i % 7)] for i in range(32)}
-    b = {i: [0.5] for i in range(32)}
-    la = {i: [-1.0 + 0.1 * (i % 5)] for i in range(32)}
-    lb = {i: [-1.2] for i in range(32)}
-    written = [_row("frac", a, b, lp=(la, lb)), _row("other", *_binary(3, 3, 26))]
+    written = _fractional_board()
     adjust_board(written)
     back = read_table(write_csv(tmp_path / "leaderboard.csv", [dict(r) for r in written]))
     assert [r["signed_unit"] for r in back] == [False, True]
